@@ -1,0 +1,317 @@
+"""One config tree of dataclasses: YAML in, `--key=value` overrides, validated before any model loads.
+
+Every field carries a one-line doc, the single source for `--help`, YAML keys and the
+config.yaml saved in each run directory. Names follow TRL's GRPOConfig where the concept
+is the same (num_generations, max_completion_length, learning_rate, beta, epsilon, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that names an unknown key or holds a wrong value."""
+
+
+def opt(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        factory = default if callable(default) and not isinstance(default, (list, dict)) else (lambda d=default: _copy(d))
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _copy(value):
+    import copy
+
+    return copy.deepcopy(value)
+
+
+@dataclass
+class TinyModelConfig:
+    architecture: Literal["llama", "qwen2"] = opt("llama", "transformers architecture of the built-in tiny model")
+    hidden_size: int = opt(128, "hidden width of the tiny model")
+    num_layers: int = opt(4, "transformer blocks of the tiny model")
+    num_heads: int = opt(4, "attention heads of the tiny model")
+    intermediate_size: int = opt(512, "MLP width of the tiny model")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = opt("", "local path or hub id of the policy; empty builds the built-in tiny model")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = opt("auto", "parameter dtype; auto = bf16 on CUDA, fp32 on CPU")
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N")
+    attn_implementation: Optional[str] = opt(None, "passed to from_pretrained, e.g. sdpa or flash_attention_2")
+    trust_remote_code: bool = opt(False, "allow model code from the checkpoint (off unless you trust it)")
+    tiny: TinyModelConfig = opt(TinyModelConfig, "the built-in tiny model, used when name_or_path is empty")
+
+
+@dataclass
+class TaskConfig:
+    min_ops: int = opt(2, "fewest operations in a chain question")
+    max_ops: int = opt(4, "most operations in a chain question")
+    max_start: int = opt(30, "largest starting number")
+    max_operand: int = opt(9, "largest number added or subtracted")
+    max_value: int = opt(99, "intermediate results stay within [0, max_value]")
+    heldout_percent: int = opt(10, "share of all questions reserved for evaluation, by a fixed hash")
+    num_sft_examples: int = opt(2000, "worked solutions the SFT stage trains on")
+    num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
+    num_eval_questions: int = opt(500, "held-out questions for evaluation")
+
+
+@dataclass
+class SFTConfig:
+    learning_rate: float = opt(3e-3, "AdamW learning rate")
+    max_steps: int = opt(600, "optimizer steps")
+    batch_size: int = opt(64, "examples per step")
+    warmup_steps: int = opt(30, "linear warm-up steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm")
+
+
+@dataclass
+class GRPOConfig:
+    num_generations: int = opt(8, "G, completions sampled per prompt (>= 2)")
+    prompts_per_step: int = opt(16, "B, prompts per step; a step trains on B x G completions")
+    max_completion_length: int = opt(48, "max new tokens per completion")
+    max_steps: int = opt(100, "GRPO steps (each: sample, score, update)")
+    learning_rate: float = opt(1e-3, "AdamW learning rate of the policy")
+    beta: float = opt(0.04, "KL coefficient toward the frozen reference")
+    epsilon: float = opt(0.2, "clip range: rho is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = opt(None, "upper clip range (DAPO's clip-higher); None = epsilon")
+    num_iterations: int = opt(1, "mu, policy updates per batch of samples; 1 = the paper")
+    num_minibatches: int = opt(1, "optimizer steps per policy update; the B x G samples are split into these")
+    loss_aggregation: Literal["sequence", "token"] = opt(
+        "sequence", "sequence = eq. 3's per-output mean (TRL loss_type grpo); token = DAPO"
+    )
+    scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
+    mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling threshold")
+    micro_batch_size: int = opt(64, "rows per forward pass; trades memory for speed, not results")
+    generation_batch_size: int = opt(512, "completions per generate call")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm")
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    save_steps: int = opt(0, "save a checkpoint every N steps; 0 = only at the end")
+    max_failed_steps: int = opt(3, "stop after this many consecutive steps where a reward function failed on every sample")
+
+
+@dataclass
+class RewardConfig:
+    name: str = opt("chain_accuracy", "built-in reward name or 'package.module:function'")
+    weight: float = opt(1.0, "weight of this reward in the sum")
+
+
+@dataclass
+class EvalConfig:
+    k: int = opt(8, "samples per question for pass@k and maj@k")
+    temperature: float = opt(1.0, "sampling temperature for pass@k / maj@k")
+    batch_size: int = opt(512, "completions per generate call")
+
+
+@dataclass
+class Config:
+    output_dir: str = opt("runs/demo", "run directory: config.yaml, metrics.jsonl, checkpoints, plots")
+    seed: int = opt(0, "seed for data, initialisation and sampling")
+    model: ModelConfig = opt(ModelConfig, "the policy (and frozen reference) model")
+    task: TaskConfig = opt(TaskConfig, "the built-in chain-arithmetic task")
+    sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning that produces pi_SFT")
+    grpo: GRPOConfig = opt(GRPOConfig, "the GRPO stage")
+    rewards: list[RewardConfig] = opt([RewardConfig()], "reward functions and their weights")
+    eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str):
+    """Check `value` against annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return from_dict(tp, value, prefix=f"{key}.")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _leaf_paths(cls, prefix: str = "") -> dict[str, tuple]:
+    """Dotted key -> (field, type) for every leaf of the tree."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_leaf_paths(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = (f, tp)
+    return out
+
+
+def resolve_key(key: str, cls=Config) -> str:
+    """A dotted key, or a bare leaf name when it is unique in the tree (`beta` -> `grpo.beta`)."""
+    paths = _leaf_paths(cls)
+    if key in paths:
+        return key
+    matches = [p for p in paths if p.rsplit(".", 1)[-1] == key]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise ConfigError(f"override --{key} is ambiguous: write one of {', '.join('--' + m for m in matches)}")
+    leaves = {p.rsplit(".", 1)[-1]: p for p in paths}
+    close = difflib.get_close_matches(key, list(paths), n=1) or [
+        leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)
+    ]
+    raise ConfigError(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+
+
+def apply_overrides(data: dict, overrides: list[str], cls=Config) -> dict:
+    """Apply `--key=value` (or `key=value`) overrides to a raw mapping; values are YAML scalars."""
+    data = _copy(data)
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ConfigError(f"override {item!r} must look like --key=value")
+        key, raw = text.split("=", 1)
+        path = resolve_key(key.strip(), cls).split(".")
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{part}' is not a section")
+        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=Config):
+    """Config from an optional YAML file plus overrides, fully validated."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: not valid YAML ({err})") from err
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+    data = apply_overrides(data, overrides or [], cls)
+    try:
+        config = from_dict(cls, data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}" if path else str(err)) from None
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    g = config.grpo
+    checks = [
+        (g.num_generations >= 2, f"grpo.num_generations must be >= 2 to form a group, got {g.num_generations}"),
+        (g.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {g.prompts_per_step}"),
+        (g.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {g.num_iterations}"),
+        (1 <= g.num_minibatches <= g.prompts_per_step * g.num_generations,
+         f"grpo.num_minibatches must lie in [1, prompts_per_step x num_generations], got {g.num_minibatches}"),
+        (g.temperature > 0, f"grpo.temperature must be > 0 for sampling, got {g.temperature}"),
+        (0 < g.top_p <= 1, f"grpo.top_p must lie in (0, 1], got {g.top_p}"),
+        (0 <= g.epsilon < 1, f"grpo.epsilon must lie in [0, 1), got {g.epsilon}"),
+        (g.epsilon_high is None or g.epsilon_high >= 0, f"grpo.epsilon_high must be >= 0, got {g.epsilon_high}"),
+        (g.beta >= 0, f"grpo.beta must be >= 0, got {g.beta}"),
+        (g.max_completion_length >= 1, f"grpo.max_completion_length must be >= 1, got {g.max_completion_length}"),
+        (g.micro_batch_size >= 1, f"grpo.micro_batch_size must be >= 1, got {g.micro_batch_size}"),
+        (g.max_failed_steps >= 1, f"grpo.max_failed_steps must be >= 1, got {g.max_failed_steps}"),
+        (bool(config.rewards), "rewards must name at least one reward function"),
+        (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def describe(cls=Config) -> str:
+    """Every key with its type, default and one-line doc, for --help."""
+    lines = []
+    defaults = to_dict(cls())
+    for key, (f, tp) in _leaf_paths(cls).items():
+        node = defaults
+        for part in key.split("."):
+            node = node[part]
+        lines.append(f"  --{key}={node!r}  [{_type_name(tp)}]\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Datasets, prompt templates and the built-in synthetic task."""

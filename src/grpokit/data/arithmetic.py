@@ -1,0 +1,140 @@
+"""The demo's built-in task: short chains of integer additions and subtractions.
+
+    prompt:     "Q: 7+5-3+9\n"
+    completion: "7+5=12\n12-3=9\n9+9=18\nA: 18"
+
+Each line is one reasoning step that a rule checks (`check_steps`), so the same task
+serves outcome supervision (final answer) and process supervision (step grades).
+A fixed hash of the question decides the held-out split, so held-out questions are
+never trained on, whatever the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from dataclasses import dataclass
+
+ALPHABET = "0123456789+-=:QA \n"
+_ANSWER = re.compile(r"^A: (-?\d+)\s*$", re.MULTILINE)
+_STEP = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
+_TERM = re.compile(r"([+-])(\d+)")
+
+
+@dataclass(frozen=True)
+class ChainTask:
+    """Shape of the problems: how many operations and how large the numbers get."""
+
+    min_ops: int = 2
+    max_ops: int = 4
+    max_start: int = 30
+    max_operand: int = 9
+    max_value: int = 99
+    heldout_percent: int = 10
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ops <= self.max_ops:
+            raise ValueError(f"need 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
+        if not 0 < self.heldout_percent < 100:
+            raise ValueError(f"heldout_percent must lie in (0, 100), got {self.heldout_percent}")
+
+
+def is_heldout(question: str, heldout_percent: int) -> bool:
+    return zlib.crc32(question.encode()) % 100 < heldout_percent
+
+
+def format_prompt(question: str) -> str:
+    return f"Q: {question}\n"
+
+
+def solve(question: str) -> tuple[list[str], int]:
+    """The worked steps of a question and its answer, e.g. "7+5-3" -> (["7+5=12", "12-3=9"], 9)."""
+    start = re.match(r"\d+", question)
+    if start is None:
+        raise ValueError(f"not a chain question: {question!r}")
+    value, steps = int(start.group()), []
+    for op, num in _TERM.findall(question[start.end() :]):
+        new = value + int(num) if op == "+" else value - int(num)
+        steps.append(f"{value}{op}{num}={new}")
+        value = new
+    return steps, value
+
+
+def format_solution(question: str) -> str:
+    steps, answer = solve(question)
+    return "\n".join(steps + [f"A: {answer}"])
+
+
+def random_question(rng: random.Random, task: ChainTask) -> str:
+    value = rng.randint(1, task.max_start)
+    parts = [str(value)]
+    for _ in range(rng.randint(task.min_ops, task.max_ops)):
+        ops = [op for op in "+-" if 0 <= (value + (1 if op == "+" else -1)) <= task.max_value]
+        op = rng.choice(ops)
+        limit = task.max_value - value if op == "+" else value
+        num = rng.randint(1, max(1, min(task.max_operand, limit)))
+        value = value + num if op == "+" else value - num
+        parts.append(f"{op}{num}")
+    return "".join(parts)
+
+
+def sample_questions(n: int, seed: int, task: ChainTask, split: str) -> list[str]:
+    """`n` distinct questions of `split` ("train" or "heldout"), reproducible from `seed`."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(f"{seed}-{split}")
+    want_heldout = split == "heldout"
+    seen: dict[str, None] = {}
+    for _ in range(200 * n + 1000):
+        q = random_question(rng, task)
+        if is_heldout(q, task.heldout_percent) == want_heldout:
+            seen.setdefault(q)
+            if len(seen) == n:
+                return list(seen)
+    raise ValueError(f"could not draw {n} distinct {split} questions from {task}; widen the task")
+
+
+def make_rows(questions: list[str]) -> list[dict]:
+    """Dataset rows: the prompt, the reference answer, and the worked solution (for SFT)."""
+    return [
+        {"prompt": format_prompt(q), "question": q, "answer": str(solve(q)[1]), "solution": format_solution(q)}
+        for q in questions
+    ]
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer line's number; None if absent or if several lines disagree."""
+    answers = set(_ANSWER.findall(completion))
+    return answers.pop() if len(answers) == 1 else None
+
+
+def check_steps(question: str, completion: str) -> list[bool]:
+    """Grade each step line: right operands from the question, right arithmetic.
+
+    Returns one bool per line before the answer line, for process supervision.
+    """
+    expected, _ = solve(question)
+    grades = []
+    lines = [ln for ln in completion.split("\n") if ln and not ln.startswith("A:")]
+    for j, line in enumerate(lines):
+        m = _STEP.match(line.strip())
+        ok = m is not None and j < len(expected)
+        if ok:
+            a, op, b, c = m.groups()
+            want_a, want_op, want_b = re.match(r"(-?\d+)([+-])(\d+)=", expected[j]).groups()
+            result = int(a) + int(b) if op == "+" else int(a) - int(b)
+            ok = (op, b) == (want_op, want_b) and int(c) == result and (j > 0 or a == want_a)
+            ok = ok and (j == 0 or int(a) == _result(lines[j - 1]))
+        grades.append(ok)
+    return grades
+
+
+def _result(line: str) -> int | None:
+    m = _STEP.match(line.strip())
+    return int(m.group(4)) if m else None
+
+
+def chain_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+    """Rule-based outcome reward: 1.0 when the final answer equals the reference, else 0.0."""
+    return [1.0 if extract_answer(c) == str(a).strip() else 0.0 for c, a in zip(completions, answer)]

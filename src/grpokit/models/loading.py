@@ -1,0 +1,53 @@
+"""Load a causal LM and its tokenizer from a local path or a hub id."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device!r} but no CUDA device is visible; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model_and_tokenizer(
+    name_or_path: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+):
+    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer.
+
+    A tokenizer without a pad token reuses its EOS token for padding; padding is always
+    masked out, so this never changes what the model learns.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token; add one")
+        tokenizer.pad_token = tokenizer.eos_token
+    kwargs = {"dtype": resolve_dtype(dtype, dev), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(dev)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

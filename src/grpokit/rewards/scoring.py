@@ -1,0 +1,82 @@
+"""Combine weighted reward functions into one reward per sample, isolating failures."""
+
+from __future__ import annotations
+
+import math
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.rewards.registry import RewardFunction
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str
+    fn: RewardFunction
+    weight: float = 1.0
+
+
+@dataclass
+class RewardResult:
+    """total: [N] weighted sum (NaN where any function failed); valid: [N] bool;
+    per_function: [N] raw scores of each function (NaN where it failed);
+    errors: the first error message of each function that raised or misbehaved."""
+
+    total: torch.Tensor
+    valid: torch.Tensor
+    per_function: dict[str, torch.Tensor]
+    errors: dict[str, str]
+
+    def function_means(self) -> dict[str, float]:
+        """Mean of each function over the samples it scored (NaN if it scored none)."""
+        out = {}
+        for name, scores in self.per_function.items():
+            ok = ~torch.isnan(scores)
+            out[name] = float(scores[ok].mean()) if ok.any() else float("nan")
+        return out
+
+    def all_failed(self) -> list[str]:
+        """Functions that failed on every sample of this batch."""
+        return [name for name, s in self.per_function.items() if bool(torch.isnan(s).all())]
+
+
+def _to_float(value) -> float:
+    if value is None:
+        return math.nan
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
+
+def score_completions(
+    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> RewardResult:
+    """Run every reward function on the batch. A function that raises, returns the wrong
+    number of scores, or gives None/NaN for a sample fails only those samples."""
+    if not rewards:
+        raise ValueError("no reward functions configured; add at least one under `rewards`")
+    n = len(completions)
+    total = torch.zeros(n, dtype=torch.float64)
+    per_function, errors = {}, {}
+    for spec in rewards:
+        try:
+            raw = spec.fn(prompts=prompts, completions=completions, **columns)
+            if raw is None or len(raw) != n:
+                raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
+            scores = torch.tensor([_to_float(v) for v in raw], dtype=torch.float64)
+        except Exception as err:  # a broken reward must not kill the run: mask and count it
+            errors[spec.name] = f"{type(err).__name__}: {err}"
+            warnings.warn(f"reward function {spec.name!r} failed on this batch: {errors[spec.name]}\n"
+                          f"{traceback.format_exc(limit=3)}", stacklevel=2)
+            scores = torch.full((n,), math.nan, dtype=torch.float64)
+        if torch.isnan(scores).any() and spec.name not in errors:
+            errors[spec.name] = f"returned None or NaN for {int(torch.isnan(scores).sum())} of {n} samples"
+        per_function[spec.name] = scores
+        total += spec.weight * scores
+    valid = ~torch.isnan(total)
+    return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors)

@@ -1,0 +1,1 @@
+"""Training loops: SFT (pi_SFT) and GRPO."""
