@@ -172,6 +172,11 @@ def _coerce(value: Any, tp, key: str):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
         return float(value)

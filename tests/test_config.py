@@ -1,0 +1,73 @@
+"""Config tree: YAML + overrides, validation that names the key, round-trip to config.yaml."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from grpokit.config import Config, ConfigError, describe, load_config, save_config
+
+
+def test_defaults_and_overrides():
+    c = load_config(overrides=["--beta=0.1", "--grpo.num_generations=4", "--model.tiny.hidden_size=64"])
+    assert c.grpo.beta == 0.1 and c.grpo.num_generations == 4 and c.model.tiny.hidden_size == 64
+
+
+def test_yaml_file_with_trl_names(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"grpo": {"num_generations": 64, "learning_rate": "1e-6", "beta": 0.04,
+                                             "epsilon_high": 0.28, "loss_aggregation": "token"},
+                                    "rewards": [{"name": "chain_accuracy", "weight": 2}]}))
+    c = load_config(path, ["--max_completion_length=1024"])
+    assert c.grpo.num_generations == 64 and c.grpo.learning_rate == 1e-6 and c.grpo.epsilon_high == 0.28
+    assert c.grpo.max_completion_length == 1024 and c.rewards[0].weight == 2.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--grpo.betta=1"], "unknown config key 'grpo.betta'.*did you mean 'grpo.beta'"),
+        (["--beta=abc"], "grpo.beta: expected a number"),
+        (["--grpo.num_generations=2.5"], "grpo.num_generations: expected an integer"),
+        (["--loss_aggregation=mean"], r"grpo.loss_aggregation: 'mean' is not one of \['sequence', 'token'\]"),
+        (["--scale_rewards=maybe"], "grpo.scale_rewards: expected true or false"),
+        (["--num_generations=1"], "num_generations must be >= 2"),
+        (["--learning_rate=0.1"], "ambiguous"),
+        (["beta"], "must look like --key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("grpo:\n  num_generation: 8\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown config key 'grpo.num_generation'.*num_generations"):
+        load_config(path)
+
+
+def test_round_trip(tmp_path):
+    c = load_config(overrides=["--epsilon_high=0.3", "--seed=7"])
+    save_config(c, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == c
+
+
+def test_help_lists_every_key_with_its_doc():
+    text = describe(Config)
+    for key in ("grpo.num_generations", "grpo.beta", "grpo.epsilon_high", "grpo.loss_aggregation", "sft.max_steps"):
+        assert f"--{key}=" in text
+    assert "KL coefficient toward the frozen reference" in text
+
+
+def test_cli_reports_config_errors_before_loading_any_model():
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "demo", "--grpo.betaa=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown config key 'grpo.betaa'" in proc.stderr
+    assert "parameters" not in proc.stdout  # nothing was built
+    assert time.perf_counter() - start < 60
