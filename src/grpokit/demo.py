@@ -40,7 +40,8 @@ def chain_task(config: Config) -> arithmetic.ChainTask:
 def task_splits(config: Config) -> tuple[list[dict], list[dict], list[dict]]:
     """(SFT rows with solutions, RL rows with answers only, held-out eval rows)."""
     task, t, seed = chain_task(config), config.task, config.seed
-    sft = arithmetic.make_rows(arithmetic.sample_questions(t.num_sft_examples, seed, task, "train"))
+    sft = arithmetic.make_sft_rows(arithmetic.sample_questions(t.num_sft_examples, seed, task, "train"),
+                                   t.sft_direct_fraction, seed)
     rl = [{k: r[k] for k in ("prompt", "answer")}
           for r in arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, task, "train"))]
     heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, task, "heldout"))

@@ -95,6 +95,27 @@ def sample_questions(n: int, seed: int, task: ChainTask, split: str) -> list[str
     raise ValueError(f"could not draw {n} distinct {split} questions from {task}; widen the task")
 
 
+def format_direct_answer(question: str) -> str:
+    """A demonstration that states the answer with no worked steps."""
+    return f"A: {solve(question)[1]}"
+
+
+def make_sft_rows(questions: list[str], direct_fraction: float, seed: int) -> list[dict]:
+    """SFT rows where a `direct_fraction` share of solutions skip the steps.
+
+    Instruction data mixes worked solutions with bare answers; the model that imitates
+    it sometimes reasons and sometimes guesses. Which habit pays is for RL to find out.
+    """
+    if not 0.0 <= direct_fraction <= 1.0:
+        raise ValueError(f"direct_fraction must lie in [0, 1], got {direct_fraction}")
+    rng = random.Random(f"{seed}-direct")
+    rows = make_rows(questions)
+    for row in rows:
+        if rng.random() < direct_fraction:
+            row["solution"] = format_direct_answer(row["question"])
+    return rows
+
+
 def make_rows(questions: list[str]) -> list[dict]:
     """Dataset rows: the prompt, the reference answer, and the worked solution (for SFT)."""
     return [
