@@ -45,3 +45,9 @@ def test_bad_task_is_rejected():
         arithmetic.ChainTask(min_ops=3, max_ops=2)
     with pytest.raises(ValueError, match="split must be"):
         arithmetic.sample_questions(1, 0, arithmetic.ChainTask(), "dev")
+
+
+def test_shows_steps():
+    assert arithmetic.shows_steps("7+5=12\nA: 12")
+    assert not arithmetic.shows_steps("A: 12")
+    assert not arithmetic.shows_steps("seven plus five\nA: 12")

@@ -63,7 +63,7 @@ class TaskConfig:
     max_value: int = opt(99, "intermediate results stay within [0, max_value]")
     heldout_percent: int = opt(10, "share of all questions reserved for evaluation, by a fixed hash")
     num_sft_examples: int = opt(4000, "demonstrations the SFT stage trains on")
-    sft_direct_fraction: float = opt(0.5, "share of SFT demonstrations that give only the answer, no steps")
+    sft_direct_fraction: float = opt(0.7, "share of SFT demonstrations that give only the answer, no steps")
     num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
     num_eval_questions: int = opt(500, "held-out questions for evaluation")
 

@@ -10,59 +10,30 @@ model uses, and trains with the same GRPOTrainer: there is no demo-only code pat
 from __future__ import annotations
 
 import json
-import random
 import time
-from pathlib import Path
-
-import torch
 
 from grpokit.checkpoint import save_checkpoint
-from grpokit.config import Config, save_config
+from grpokit.config import Config
 from grpokit.data import arithmetic
-from grpokit.eval import evaluate
 from grpokit.eval.plots import plot_reward_curve
-from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
-from grpokit.rewards import WeightedReward, get_reward_function
+from grpokit.models import load_model_and_tokenizer
+from grpokit.stages import build_rewards, evaluate_chain, load_policy, seed_everything, start_run, task_splits
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.sft import sft_train
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def chain_task(config: Config) -> arithmetic.ChainTask:
-    t = config.task
-    return arithmetic.ChainTask(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value, t.heldout_percent)
-
-
-def task_splits(config: Config) -> tuple[list[dict], list[dict], list[dict]]:
-    """(SFT rows with solutions, RL rows with answers only, held-out eval rows)."""
-    task, t, seed = chain_task(config), config.task, config.seed
-    sft = arithmetic.make_sft_rows(arithmetic.sample_questions(t.num_sft_examples, seed, task, "train"),
-                                   t.sft_direct_fraction, seed)
-    rl = [{k: r[k] for k in ("prompt", "answer")}
-          for r in arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, task, "train"))]
-    heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, task, "heldout"))
-    return sft, rl, heldout
-
-
-def build_rewards(config: Config) -> list[WeightedReward]:
-    return [WeightedReward(r.name, get_reward_function(r.name), r.weight) for r in config.rewards]
-
-
-def evaluate_chain(model, tokenizer, rows: list[dict], config: Config):
-    e = config.eval
-    return evaluate(model, tokenizer, rows, arithmetic.extract_answer, config.grpo.max_completion_length,
-                    k=e.k, temperature=e.temperature, batch_size=e.batch_size)
+def reasoning_rate(result) -> float:
+    """Share of greedy answers that work through at least one step before answering."""
+    shown = [c for c in result.greedy_completions if arithmetic.shows_steps(c)]
+    return len(shown) / max(1, len(result.greedy_completions))
 
 
 def format_table(before, after) -> str:
     k = before.k
     rows = [("greedy accuracy", before.greedy_accuracy, after.greedy_accuracy),
             (f"pass@{k}", before.pass_at_k, after.pass_at_k),
-            (f"maj@{k}", before.maj_at_k, after.maj_at_k)]
+            (f"maj@{k}", before.maj_at_k, after.maj_at_k),
+            ("shows its steps", reasoning_rate(before), reasoning_rate(after))]
     lines = [f"held-out questions: {before.num_questions}",
              f"{'metric':<16} {'SFT':>7} {'GRPO':>7} {'change':>8}"]
     lines += [f"{name:<16} {b:>7.1%} {a:>7.1%} {100 * (a - b):>+7.1f}pt" for name, b, a in rows]
@@ -72,19 +43,12 @@ def format_table(before, after) -> str:
 def run_demo(config: Config, progress: bool = True) -> dict:
     """Run the whole pipeline; returns (and writes) summary.json."""
     started = time.perf_counter()
-    run_dir = Path(config.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    run_dir = start_run(config)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    seed_everything(config.seed)
     sft_rows, rl_rows, heldout = task_splits(config)
-
-    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
-    m = config.model.tiny
-    model = build_tiny_model(tokenizer, m.architecture, m.hidden_size, m.num_layers, m.num_heads,
-                             m.intermediate_size, seed=config.seed)
-    print(f"tiny {m.architecture}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-          f"{len(sft_rows)} SFT solutions, {len(rl_rows)} RL questions, {len(heldout)} held-out questions")
+    model, tokenizer = load_policy(config)
+    print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+          f"{len(sft_rows)} SFT demonstrations, {len(rl_rows)} RL questions, {len(heldout)} held-out questions")
     sft_losses = sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows], config.sft,
                            seed=config.seed, progress=progress)
     sft_dir = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
@@ -112,6 +76,8 @@ def run_demo(config: Config, progress: bool = True) -> dict:
         "sft_accuracy": before.greedy_accuracy,
         "grpo_accuracy": after.greedy_accuracy,
         "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
+        "sft_reasoning_rate": reasoning_rate(before),
+        "grpo_reasoning_rate": reasoning_rate(after),
         "sft": before.as_dict(),
         "grpo": after.as_dict(),
         "sft_final_loss": sft_losses[-1],

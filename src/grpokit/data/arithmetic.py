@@ -151,6 +151,11 @@ def check_steps(question: str, completion: str) -> list[bool]:
     return grades
 
 
+def shows_steps(completion: str) -> bool:
+    """True when the completion works through at least one step line before answering."""
+    return any(_STEP.match(line.strip()) for line in completion.split("\n"))
+
+
 def _result(line: str) -> int | None:
     m = _STEP.match(line.strip())
     return int(m.group(4)) if m else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from math import comb
 
 from grpokit.rollout import SamplingParams, sample_groups
@@ -17,9 +17,12 @@ class EvalResult:
     maj_at_k: float
     k: int
     num_questions: int
+    greedy_completions: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["greedy_completions"]
+        return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,4 +75,4 @@ def evaluate(
         passes += pass_at_k(k, sum(correct(a, row) for a in answers), k)
         majority += correct(majority_answer(answers), row)
     n = len(rows)
-    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n)
+    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy.completions)
