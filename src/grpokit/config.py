@@ -95,7 +95,7 @@ class GRPOConfig:
     )
     scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
     mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
-    temperature: float = opt(1.0, "sampling temperature")
+    temperature: float = opt(0.7, "sampling temperature of the rollouts (the policy trained is the tempered one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     micro_batch_size: int = opt(64, "rows per forward pass; trades memory for speed, not results")
     generation_batch_size: int = opt(512, "completions per generate call")
@@ -115,7 +115,7 @@ class RewardConfig:
 @dataclass
 class EvalConfig:
     k: int = opt(8, "samples per question for pass@k and maj@k")
-    temperature: float = opt(1.0, "sampling temperature for pass@k / maj@k")
+    temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
     batch_size: int = opt(512, "completions per generate call")
 
 
