@@ -6,6 +6,7 @@ to prompt p); T = completion tokens. Pure tensor code: no models, no I/O.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -13,8 +14,12 @@ import torch
 DEFAULT_EPS = 1e-4
 
 
-def _check_group_size(n: int, group_size: int, what: str) -> None:
-    if not isinstance(group_size, int) or group_size < 2:
+def _check_group_size(n: int, group_size: int, what: str) -> int:
+    try:
+        size = operator.index(group_size)  # accepts numpy ints, rejects 2.0
+    except TypeError:
+        size = None
+    if size is None or size < 2:
         raise ValueError(
             f"group_size must be an int >= 2 (GRPO compares samples within a group), got {group_size!r}"
         )
@@ -23,6 +28,7 @@ def _check_group_size(n: int, group_size: int, what: str) -> None:
             f"{what} has {n} rows, which is not divisible by group_size={group_size}; "
             f"pass complete groups of {group_size} contiguous samples per prompt"
         )
+    return size
 
 
 def masked_outcome_advantages(
@@ -42,7 +48,7 @@ def masked_outcome_advantages(
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if valid.shape != rewards.shape:
         raise ValueError(f"valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}; they must match")
-    _check_group_size(rewards.shape[0], group_size, "rewards")
+    group_size = _check_group_size(rewards.shape[0], group_size, "rewards")
     valid = valid.to(torch.bool)
     if not torch.isfinite(rewards[valid]).all():
         bad = torch.nonzero(valid & ~torch.isfinite(rewards)).flatten().tolist()
@@ -109,13 +115,14 @@ def process_advantages(
             f"step_rewards, step_ends and num_tokens must have one entry per completion; "
             f"got {n}, {len(step_ends)} and {len(num_tokens)}"
         )
-    _check_group_size(n, group_size, "step_rewards")
+    group_size = _check_group_size(n, group_size, "step_rewards")
     dtype = next(
         (r.dtype for r in step_rewards if isinstance(r, torch.Tensor) and torch.is_floating_point(r)),
         torch.get_default_dtype(),
     )
     lengths = [int(x) for x in (num_tokens.tolist() if isinstance(num_tokens, torch.Tensor) else num_tokens)]
-    rewards = [torch.as_tensor(r, dtype=dtype).reshape(-1) for r in step_rewards]
+    # Normalise in float64 whatever the output dtype: cheap here, and exact to the spec.
+    rewards = [torch.as_tensor(r).to(torch.float64).reshape(-1) for r in step_rewards]
     ends = [torch.as_tensor(e, dtype=torch.long).reshape(-1) for e in step_ends]
     for i, (r, e, length) in enumerate(zip(rewards, ends, lengths)):
         if r.numel() != e.numel():
@@ -126,7 +133,7 @@ def process_advantages(
             raise ValueError(f"completion {i}: step rewards {r.tolist()} contain NaN or infinity")
 
     t_max = max(lengths, default=0)
-    out = torch.zeros(n, t_max, dtype=dtype)
+    out = torch.zeros(n, t_max, dtype=torch.float64)
     for g in range(0, n, group_size):
         flat = torch.cat(rewards[g : g + group_size])
         if flat.numel() == 0 or bool((flat == flat[0]).all()):
@@ -138,7 +145,7 @@ def process_advantages(
     # A token is credited with every step ending at or after it: a reverse cumulative sum.
     out = out.flip(-1).cumsum(-1).flip(-1)
     positions = torch.arange(t_max).unsqueeze(0)
-    return out * (positions < torch.tensor(lengths).unsqueeze(1)).to(dtype)
+    return (out * (positions < torch.tensor(lengths).unsqueeze(1))).to(dtype)
 
 
 def gae_advantages(

@@ -97,7 +97,9 @@ class GRPOTrainer:
                     self.save(self.run_dir / "checkpoints" / f"step-{self.global_step}")
         finally:
             writer.close()
-        self.save(self.run_dir / "checkpoints" / f"step-{self.global_step}")
+        saved_in_loop = self.config.save_steps and self.global_step % self.config.save_steps == 0
+        if not saved_in_loop or self.global_step == 0:
+            self.save(self.run_dir / "checkpoints" / f"step-{self.global_step}")
         return history
 
     def step(self) -> dict:
