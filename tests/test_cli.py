@@ -62,3 +62,11 @@ def test_full_demo_meets_its_target(tmp_path):
     gain = summary["grpo_accuracy"] - summary["sft_accuracy"]
     assert gain >= 0.15, summary
     assert summary["wall_seconds"] <= 600, summary
+
+
+def test_config_keys_take_their_value_after_a_space():
+    from grpokit.cli import join_override_values
+
+    argv = ["sft", "--output_dir", "runs/x", "--quiet", "--grpo.beta", "0.1", "cfg.yaml", "--seed", "2"]
+    assert join_override_values(argv) == ["sft", "--output_dir=runs/x", "--quiet", "--grpo.beta=0.1", "cfg.yaml",
+                                          "--seed", "2"]

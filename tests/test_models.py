@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from grpokit.checkpoint import save_checkpoint
@@ -23,12 +24,16 @@ def test_tiny_model_round_trips_through_the_hub_loader(architecture, tokenizer, 
 
 def test_tokenizer_without_pad_token_gets_eos(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
-    no_pad = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>", unk_token="<unk>")
+    # A fresh backend with the same vocabulary and no padding: like many hub checkpoints.
+    backend = Tokenizer(models.WordLevel(dict(tokenizer.get_vocab()), unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r".|\n"), behavior="isolated")
+    no_pad = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
     assert no_pad.pad_token is None
     model.save_pretrained(tmp_path / "m")
     no_pad.save_pretrained(tmp_path / "m")
     _, tok = load_model_and_tokenizer(str(tmp_path / "m"), device="cpu")
     assert tok.pad_token == "<eos>"
+    assert tok.pad_token_id == tok.eos_token_id
 
 
 def test_char_tokenizer_round_trips_text():

@@ -28,11 +28,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h"}
+
+
+def join_override_values(argv: list[str]) -> list[str]:
+    """`--key value` -> `--key=value` for config keys, so a value is never taken for the CONFIG path."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        is_key = item.startswith("--") and "=" not in item and item not in OWN_OPTIONS
+        if is_key and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{item}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(item)
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
+    argv = join_override_values(list(sys.argv[1:] if argv is None else argv))
     args, overrides = _parser().parse_known_args(argv)
     if getattr(args, "output_dir", None):
         overrides.append(f"--output_dir={args.output_dir}")
