@@ -25,10 +25,14 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", nargs="?", help="YAML config")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
+        if name == "train":
+            p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                           help="continue exactly from the latest intact checkpoint of output_dir, or from PATH")
+            p.add_argument("--force", action="store_true", help="resume even if the config changed")
     return parser
 
 
-OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h"}
+OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h", "--resume", "--force"}
 
 
 def join_override_values(argv: list[str]) -> list[str]:
@@ -63,6 +67,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"grpokit: config error: {err}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, config)
+    except ConfigError as err:
+        print(f"grpokit: config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grpokit: interrupted; checkpoints already written are intact", file=sys.stderr)
+        return 130
+    except _expected_errors() as err:
+        print(f"grpokit: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """Failures with a message that already says what to do: no traceback needed."""
+    from grpokit.checkpoint import CheckpointError
+    from grpokit.data.files import DatasetError
+    from grpokit.runlock import RunDirectoryLocked
+    from grpokit.train.grpo import NonFiniteTraining, RewardFailure
+
+    return (CheckpointError, DatasetError, RunDirectoryLocked, NonFiniteTraining, RewardFailure)
+
+
+def _run(args, config) -> int:
     if args.command == "demo":
         from grpokit.demo import run_demo
 
@@ -70,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "train":
         from grpokit.pipeline import run_train
 
-        run_train(config, progress=not args.quiet)
+        run_train(config, progress=not args.quiet, resume=args.resume, force=args.force)
     else:
         from grpokit.pipeline import run_sft
 

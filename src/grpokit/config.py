@@ -69,6 +69,19 @@ class TaskConfig:
 
 
 @dataclass
+class DataConfig:
+    train_file: str = opt("", "JSONL, JSON or Parquet file of RL prompts; empty = the built-in task")
+    prompt_column: str = opt("prompt", "column of train_file that holds the prompt text")
+    answer_column: str = opt("answer", "column of train_file that holds the reference answer")
+    skip_malformed_lines: bool = opt(False, "skip and count malformed lines, missing columns and empty prompts "
+                                            "instead of stopping with an error")
+    max_prompt_length: int = opt(0, "longest prompt in tokens; 0 = no limit")
+    long_prompts: Literal["skip", "truncate", "error"] = opt(
+        "skip", "what happens to prompts over max_prompt_length: skip (and count), truncate (keep the end), error"
+    )
+
+
+@dataclass
 class SFTConfig:
     learning_rate: float = opt(3e-3, "AdamW learning rate")
     max_steps: int = opt(600, "optimizer steps")
@@ -103,13 +116,18 @@ class GRPOConfig:
     warmup_steps: int = opt(20, "linear warm-up steps (lets Adam see the gradient noise before full-size steps)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     save_steps: int = opt(0, "save a checkpoint every N steps; 0 = only at the end")
+    save_total_limit: int = opt(3, "keep the newest K step checkpoints; 0 = keep all")
     max_failed_steps: int = opt(3, "stop after this many consecutive steps where a reward function failed on every sample")
+    max_nonfinite_steps: int = opt(3, "stop after this many consecutive steps whose loss or gradients were NaN/inf "
+                                      "(their updates are skipped)")
 
 
 @dataclass
 class RewardConfig:
     name: str = opt("chain_accuracy", "built-in reward name or 'package.module:function'")
     weight: float = opt(1.0, "weight of this reward in the sum")
+    timeout_s: Optional[float] = opt(60.0, "seconds a call may take before its samples are masked and counted "
+                                           "in rewards/timeouts; null = no limit")
 
 
 @dataclass
@@ -125,6 +143,7 @@ class Config:
     seed: int = opt(0, "seed for data, initialisation and sampling")
     model: ModelConfig = opt(ModelConfig, "the policy (and frozen reference) model")
     task: TaskConfig = opt(TaskConfig, "the built-in chain-arithmetic task")
+    data: DataConfig = opt(DataConfig, "RL prompts from a file instead of the built-in task")
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning that produces pi_SFT")
     grpo: GRPOConfig = opt(GRPOConfig, "the GRPO stage")
     rewards: list[RewardConfig] = opt([RewardConfig()], "reward functions and their weights")
@@ -295,7 +314,12 @@ def validate(config: Config) -> None:
         (g.max_completion_length >= 1, f"grpo.max_completion_length must be >= 1, got {g.max_completion_length}"),
         (g.micro_batch_size >= 1, f"grpo.micro_batch_size must be >= 1, got {g.micro_batch_size}"),
         (g.max_failed_steps >= 1, f"grpo.max_failed_steps must be >= 1, got {g.max_failed_steps}"),
+        (g.max_nonfinite_steps >= 1, f"grpo.max_nonfinite_steps must be >= 1, got {g.max_nonfinite_steps}"),
+        (g.save_steps >= 0, f"grpo.save_steps must be >= 0, got {g.save_steps}"),
+        (g.save_total_limit >= 0, f"grpo.save_total_limit must be >= 0, got {g.save_total_limit}"),
         (bool(config.rewards), "rewards must name at least one reward function"),
+        (all(r.timeout_s is None or r.timeout_s > 0 for r in config.rewards), "rewards[].timeout_s must be > 0 or null"),
+        (config.data.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {config.data.max_prompt_length}"),
         (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
     ]
     for ok, message in checks:
@@ -321,3 +345,32 @@ def describe(cls=Config) -> str:
             node = node[part]
         lines.append(f"  --{key}={node!r}  [{_type_name(tp)}]\n      {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+# Keys a resumed run may change without changing what it computes; any other difference is refused.
+RESUME_SAFE_KEYS = (
+    "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
+    "grpo.generation_batch_size", "grpo.max_failed_steps", "grpo.max_nonfinite_steps", "model.device",
+    "model.attn_implementation", "eval.",
+)
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def resume_differences(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for every key that differs and matters for an exact resume."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, "<absent>") != b.get(key, "<absent>") and not any(
+            key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in RESUME_SAFE_KEYS
+        ):
+            out.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
+    return out

@@ -17,6 +17,7 @@ from grpokit.config import Config
 from grpokit.data import arithmetic
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
+from grpokit.runlock import RunLock
 from grpokit.stages import build_rewards, evaluate_chain, load_policy, seed_everything, start_run, task_splits
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.sft import sft_train
@@ -42,6 +43,11 @@ def format_table(before, after) -> str:
 
 def run_demo(config: Config, progress: bool = True) -> dict:
     """Run the whole pipeline; returns (and writes) summary.json."""
+    with RunLock(config.output_dir):
+        return _run_demo(config, progress)
+
+
+def _run_demo(config: Config, progress: bool) -> dict:
     started = time.perf_counter()
     run_dir = start_run(config)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -65,6 +71,9 @@ def run_demo(config: Config, progress: bool = True) -> dict:
     grpo_started = time.perf_counter()
     history = trainer.train()
     grpo_seconds = time.perf_counter() - grpo_started
+    if trainer.interrupted:
+        print("demo stopped before its final evaluation; the GRPO checkpoint above is loadable with from_pretrained")
+        return {"interrupted": True, "checkpoint": str(trainer.checkpoints.latest())}
 
     after = evaluate_chain(policy, tokenizer, heldout, config)
     table = format_table(before, after)
@@ -84,7 +93,7 @@ def run_demo(config: Config, progress: bool = True) -> dict:
         "sft_seconds": sft_seconds,
         "grpo_seconds": grpo_seconds,
         "wall_seconds": time.perf_counter() - started,
-        "checkpoint": str(run_dir / "checkpoints" / f"step-{trainer.global_step}"),
+        "checkpoint": str(trainer.checkpoints.latest()),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "results.md").write_text(table + "\n")

@@ -37,7 +37,7 @@ def task_splits(config: Config) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def build_rewards(config: Config) -> list[WeightedReward]:
-    return [WeightedReward(r.name, get_reward_function(r.name), r.weight) for r in config.rewards]
+    return [WeightedReward(r.name, get_reward_function(r.name), r.weight, r.timeout_s) for r in config.rewards]
 
 
 def evaluate_chain(model, tokenizer, rows: list[dict], config: Config):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import threading
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +18,34 @@ class WeightedReward:
     name: str
     fn: RewardFunction
     weight: float = 1.0
+    timeout_s: float | None = None  # None: run in the caller's thread with no time limit
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function did not return within its timeout."""
+
+
+def call_with_timeout(fn, timeout_s: float | None, **kwargs):
+    """fn(**kwargs), giving up after timeout_s seconds. A function that hangs is left running in
+    a daemon thread (Python cannot kill a thread); its late result is discarded."""
+    if timeout_s is None:
+        return fn(**kwargs)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as err:  # re-raised in the caller's thread below
+            box["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name="grpokit-reward")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout(f"no result within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @dataclass
@@ -29,6 +58,7 @@ class RewardResult:
     valid: torch.Tensor
     per_function: dict[str, torch.Tensor]
     errors: dict[str, str]
+    timeouts: dict[str, int] = field(default_factory=dict)  # samples lost to a timeout, per function
 
     def function_means(self) -> dict[str, float]:
         """Mean of each function over the samples it scored (NaN if it scored none)."""
@@ -62,21 +92,23 @@ def score_completions(
         raise ValueError("no reward functions configured; add at least one under `rewards`")
     n = len(completions)
     total = torch.zeros(n, dtype=torch.float64)
-    per_function, errors = {}, {}
+    per_function, errors, timeouts = {}, {}, {}
     for spec in rewards:
         try:
-            raw = spec.fn(prompts=prompts, completions=completions, **columns)
+            raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=prompts, completions=completions, **columns)
             if raw is None or len(raw) != n:
                 raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
             scores = torch.tensor([_to_float(v) for v in raw], dtype=torch.float64)
         except Exception as err:  # a broken reward must not kill the run: mask and count it
+            if isinstance(err, RewardTimeout):
+                timeouts[spec.name] = n
             errors[spec.name] = f"{type(err).__name__}: {err}"
             warnings.warn(f"reward function {spec.name!r} failed on this batch: {errors[spec.name]}\n"
                           f"{traceback.format_exc(limit=3)}", stacklevel=2)
             scores = torch.full((n,), math.nan, dtype=torch.float64)
         if torch.isnan(scores).any() and spec.name not in errors:
-            errors[spec.name] = f"returned None or NaN for {int(torch.isnan(scores).sum())} of {n} samples"
+            errors[spec.name] = f"returned None, NaN or inf for {int(torch.isnan(scores).sum())} of {n} samples"
         per_function[spec.name] = scores
         total += spec.weight * scores
     valid = ~torch.isnan(total)
-    return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors)
+    return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors, timeouts=timeouts)

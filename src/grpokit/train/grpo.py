@@ -9,24 +9,32 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from grpokit.checkpoint import save_checkpoint
+from grpokit.checkpoint import TRAINER_STATE, CheckpointManager
 from grpokit.config import GRPOConfig
 from grpokit.math import grpo_loss, masked_outcome_advantages
-from grpokit.metrics import MetricsWriter
+from grpokit.metrics import MetricsWriter, truncate_metrics
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
+from grpokit.signals import GracefulStop
+from grpokit.train import state as train_state
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
 
 class RewardFailure(RuntimeError):
     """A reward function failed on every sample for too many consecutive steps."""
+
+
+class NonFiniteTraining(FloatingPointError):
+    """The loss or gradients were NaN/inf for too many consecutive steps."""
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -72,7 +80,10 @@ class GRPOTrainer:
         self.rng = random.Random(seed)
         self._order: list[int] = []
         self._failed_streak = {r.name: 0 for r in rewards}
+        self._nonfinite_streak = 0
         self.global_step = 0
+        self.interrupted = False  # set when a signal stopped train() early
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
         self.sampling = SamplingParams(
             max_new_tokens=config.max_completion_length,
             temperature=config.temperature,
@@ -82,24 +93,31 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self, eval_callback=None) -> list[dict]:
-        """Run `max_steps` steps, logging each to metrics.jsonl; save the final checkpoint."""
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+    def train(self) -> list[dict]:
+        """Run to `max_steps`, one metrics.jsonl row a step; checkpoint every `save_steps` and
+        at the end. SIGINT/SIGTERM finish the step, save, and return with `interrupted` set."""
+        cfg = self.config
         history = []
-        bar = tqdm(range(self.config.max_steps), desc="grpo", disable=not self.progress, dynamic_ncols=True)
-        try:
-            for _ in bar:
+        saved_at = None
+        bar = tqdm(total=cfg.max_steps, initial=self.global_step, desc="grpo", disable=not self.progress,
+                   dynamic_ncols=True)
+        with GracefulStop("the current GRPO step") as stop, MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
+            while self.global_step < cfg.max_steps:
                 record = self.step()
                 history.append(record)
                 writer.write(record)
+                bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}")
-                if self.config.save_steps and self.global_step % self.config.save_steps == 0:
-                    self.save(self.run_dir / "checkpoints" / f"step-{self.global_step}")
-        finally:
-            writer.close()
-        saved_in_loop = self.config.save_steps and self.global_step % self.config.save_steps == 0
-        if not saved_in_loop or self.global_step == 0:
-            self.save(self.run_dir / "checkpoints" / f"step-{self.global_step}")
+                if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stop.requested:
+                    saved_at = self.save_checkpoint()
+                if stop.requested:
+                    self.interrupted = True
+                    print(f"grpokit: stopped after step {self.global_step}; checkpoint {saved_at}\n"
+                          f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume", file=sys.stderr)
+                    break
+        bar.close()
+        if saved_at is None or (not self.interrupted and saved_at.name != f"step-{self.global_step}"):
+            self.save_checkpoint()
         return history
 
     def step(self) -> dict:
@@ -118,6 +136,14 @@ class GRPOTrainer:
         ref_logp, old_logp = self._fixed_logprobs(rollout)
         stats = self._update(rollout, advantages, loss_mask, ref_logp, old_logp)
         self.global_step += 1
+        self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
+        if self._nonfinite_streak >= cfg.max_nonfinite_steps:
+            last = self.checkpoints.latest()
+            raise NonFiniteTraining(
+                f"the loss or gradient norm was NaN/inf in {self._nonfinite_streak} consecutive steps "
+                f"(through step {self.global_step}); every such update was skipped, so the weights are still "
+                f"finite. Last good checkpoint: {last or 'none yet'}. Lower grpo.learning_rate or check the data."
+            )
 
         seconds = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
@@ -129,6 +155,7 @@ class GRPOTrainer:
             "reward/zero_std_frac": zero_std_fraction(result.total, result.valid, g),
             **{f"rewards/{name}": mean for name, mean in result.function_means().items()},
             "rewards/failed": int((~result.valid).sum()),
+            "rewards/timeouts": sum(result.timeouts.values()),
             **stats,
             "completion/mean_length": float(lengths.mean()),
             "completion/max_length": int(lengths.max()),
@@ -180,6 +207,7 @@ class GRPOTrainer:
         counted = 0
         entropy_sum, entropy_tokens = 0.0, 0.0
         grad_norms = []
+        skipped = 0
         self.model.train()
         for iteration in range(cfg.num_iterations):
             for minibatch in torch.randperm(n).chunk(cfg.num_minibatches):
@@ -187,6 +215,7 @@ class GRPOTrainer:
                 if denominator == 0:
                     continue  # every sample of this minibatch failed its reward
                 self.optimizer.zero_grad(set_to_none=True)
+                finite = True
                 for micro in minibatch.split(cfg.micro_batch_size):
                     mask = loss_mask[micro]
                     logp, entropy = token_logprobs(
@@ -204,6 +233,9 @@ class GRPOTrainer:
                         clip_eps_high=cfg.epsilon_high,
                         aggregation=cfg.loss_aggregation,
                     )
+                    if not torch.isfinite(loss):
+                        finite = False  # one bad micro-batch poisons the minibatch: skip it whole
+                        break
                     # Micro-batch losses are means; reweight so their sum is the minibatch mean.
                     (loss * (self._denominator(mask) / denominator)).backward()
                     for key in ("kl", "clip_fraction", "ratio_mean"):
@@ -214,11 +246,11 @@ class GRPOTrainer:
                         cm = rollout.completion_mask[micro].float()
                         entropy_sum += float((entropy * cm).sum())
                         entropy_tokens += float(cm.sum())
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                if not torch.isfinite(norm):
-                    raise FloatingPointError(
-                        f"GRPO gradient norm is {float(norm)} at step {self.global_step}; lower grpo.learning_rate"
-                    )
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm) if finite else None
+                if norm is None or not torch.isfinite(norm):
+                    self.optimizer.zero_grad(set_to_none=True)  # never let a NaN/inf reach the weights
+                    skipped += 1
+                    continue
                 grad_norms.append(float(norm))
                 self.optimizer.step()
                 self.scheduler.step()
@@ -227,6 +259,7 @@ class GRPOTrainer:
                                                                           "ratio_mean": 1.0, "loss": 0.0}
         out["entropy"] = entropy_sum / entropy_tokens if entropy_tokens else float("nan")
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out["skipped_updates"] = skipped
         return out
 
     def _denominator(self, mask: torch.Tensor) -> float:
@@ -235,5 +268,42 @@ class GRPOTrainer:
             return float((mask.sum(dim=1) > 0).sum())
         return float(mask.sum())
 
-    def save(self, path: str | Path) -> Path:
-        return save_checkpoint(self.model, self.tokenizer, path)
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What an exact resume needs besides the weights."""
+        return {
+            "global_step": self.global_step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": {"rng": self.rng.getstate(), "order": torch.tensor(self._order, dtype=torch.int64)},
+            "failed_streak": dict(self._failed_streak),
+            "nonfinite_streak": self._nonfinite_streak,
+            "rng": train_state.capture_rng(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = int(state["global_step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.setstate(train_state._as_tuple(state["sampler"]["rng"]))
+        self._order = state["sampler"]["order"].tolist()
+        self._failed_streak.update(state["failed_streak"])
+        self._nonfinite_streak = int(state["nonfinite_streak"])
+        train_state.restore_rng(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it."""
+
+        def extra(tmp: Path) -> None:
+            train_state.save_state(self.state_dict(), tmp / TRAINER_STATE)
+            if (self.run_dir / "config.yaml").is_file():
+                shutil.copyfile(self.run_dir / "config.yaml", tmp / "config.yaml")
+
+        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, extra)
+
+    def resume_from(self, checkpoint: str | Path) -> None:
+        """Restore trainer state from `checkpoint` (the weights are loaded by the caller) and drop
+        metrics rows logged after it, so the log continues exactly where the state does."""
+        self.load_state_dict(train_state.load_state(Path(checkpoint) / TRAINER_STATE))
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.global_step)
