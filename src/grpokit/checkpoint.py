@@ -121,10 +121,11 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra=None) -> Path:
         _fsync_path(final.parent)
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as err:
+    except Exception as err:  # OSError, or safetensors' own error wrapping one: clean up, keep the old one
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise CheckpointError(
-            f"could not write checkpoint {final}: {err.strerror or err} ({type(err).__name__}); "
+            f"could not write checkpoint {final}: {reason} ({type(err).__name__}); "
             "free disk space or fix the directory's permissions. Earlier checkpoints are untouched."
         ) from err
     return final

@@ -1,0 +1,167 @@
+"""Exact resume: a run killed with SIGKILL and resumed ends with the same weights and the same
+metrics as a run that was never interrupted. Plus graceful signals, config checks and the lock.
+Real subprocesses, real signals, the demo-size model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.checkpoint import verify_checkpoint
+from grpokit.metrics import read_metrics
+from grpokit.runlock import RunLock
+
+# The demo's model (hidden 128, 4 layers); a small batch keeps each step short.
+RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=24",
+       "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=2", "--grpo.warmup_steps=2",
+       "--grpo.learning_rate=3e-4", "--quiet"]
+
+
+def cli(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "grpokit.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rows(metrics, n, proc, timeout=300):
+    """Block until metrics.jsonl holds n rows (the run finished step n)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout}s")
+
+
+def comparable(rows):
+    """Metrics rows without the wall-clock timings (perf/*), which differ between any two runs."""
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """pi_SFT of the demo-size model, briefly trained, so rewards (and advantages) vary."""
+    out = tmp_path_factory.mktemp("sft")
+    cli("sft", f"--output_dir={out}", "--sft.max_steps=60", "--num_sft_examples=800", "--sft.warmup_steps=5",
+        "--quiet")
+    return out / "checkpoints" / "sft"
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(sft_checkpoint, tmp_path):
+    model = f"--model.name_or_path={sft_checkpoint}"
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    cli("train", model, f"--output_dir={straight}", "--grpo.max_steps=6", *RUN)
+
+    proc = start("train", model, f"--output_dir={killed}", "--grpo.max_steps=6", *RUN)
+    wait_for_rows(killed / "metrics.jsonl", 3, proc)  # step 3 done, checkpoint step-2 on disk
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoints" / "step-6").exists()
+
+    resumed = cli("train", str(killed / "config.yaml"), "--resume")
+    assert "resumed from" in resumed.stderr and "step-" in resumed.stderr
+
+    a = load_file(straight / "checkpoints" / "step-6" / "model.safetensors")
+    b = load_file(killed / "checkpoints" / "step-6" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    rows_a, rows_b = read_metrics(straight / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]  # the redone step 3 is logged once
+    assert comparable(rows_b) == comparable(rows_a)
+    assert any(r["reward/std"] > 0 for r in rows_a)  # non-trivial advantages: the weights really moved
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(sft_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    proc = start("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={run}", "--grpo.max_steps=500",
+                 *RUN)
+    wait_for_rows(run / "metrics.jsonl", 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    rows = read_metrics(run / "metrics.jsonl")
+    last = run / "checkpoints" / f"step-{rows[-1]['step']}"
+    assert verify_checkpoint(last) == []
+    assert (run / "checkpoints" / "latest").read_text().strip() == last.name
+    assert f"checkpoint {last}" in err and "resume with: grpokit train" in err and "--resume" in err
+
+    # It resumes from there (max_steps may change on resume: it does not change what a step computes).
+    cli("train", str(run / "config.yaml"), "--resume", f"--grpo.max_steps={rows[-1]['step'] + 1}")
+    assert read_metrics(run / "metrics.jsonl")[-1]["step"] == rows[-1]["step"] + 1
+
+
+def test_a_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(sft_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    proc = start("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={run}", "--grpo.max_steps=500",
+                 *RUN)
+    wait_for_rows(run / "metrics.jsonl", 3, proc)  # step-2 saved
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:  # the step (and its save) finished between the two signals
+        assert "resume with" in err
+    else:
+        assert proc.returncode == 130 and "second SIGINT" in err, err[-2000:]
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        assert verify_checkpoint(ckpt) == [], ckpt
+    cli("train", str(run / "config.yaml"), "--resume", "--grpo.max_steps=4")  # the kept checkpoint resumes
+
+
+def test_resume_with_a_changed_config_is_refused_unless_forced(sft_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    cli("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={run}", "--grpo.max_steps=2", *RUN)
+    before = (run / "metrics.jsonl").read_text()
+    proc = cli("train", str(run / "config.yaml"), "--resume", "--num_generations=8", "--grpo.beta=0.1",
+               "--grpo.max_steps=3", check=False)
+    assert proc.returncode == 2
+    assert "grpo.num_generations: 4 -> 8" in proc.stderr and "grpo.beta: 0.04 -> 0.1" in proc.stderr
+    assert "--force" in proc.stderr and "grpo.max_steps" not in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before  # nothing was touched
+    forced = cli("train", str(run / "config.yaml"), "--resume", "--grpo.beta=0.1", "--grpo.max_steps=3", "--force")
+    assert "grpo.beta: 0.04 -> 0.1" in forced.stderr
+    assert read_metrics(run / "metrics.jsonl")[-1]["step"] == 3
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path):
+    proc = cli("train", f"--output_dir={tmp_path}", "--resume", "--quiet", check=False)
+    assert proc.returncode == 1 and "no intact checkpoint" in proc.stderr
+
+
+def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with RunLock(run):
+        proc = cli("train", f"--output_dir={run}", "--quiet", check=False)
+    assert proc.returncode == 1
+    assert f"run directory {run} is in use by another grpokit process (pid {os.getpid()})" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the first run's data is untouched
+    assert not (run / "config.yaml").exists()
+    with RunLock(run):  # released: the next trainer may take it
+        pass
+
+
+def test_same_seed_and_config_give_the_same_metrics(sft_checkpoint, tmp_path):
+    for name in ("a", "b"):
+        cli("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={tmp_path / name}",
+            "--grpo.max_steps=2", *RUN)
+    a, b = (comparable(read_metrics(tmp_path / n / "metrics.jsonl")) for n in ("a", "b"))
+    assert a == b and len(a) == 2
+    assert json.dumps(a)  # every value is plain JSON
