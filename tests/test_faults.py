@@ -88,8 +88,9 @@ def test_over_long_prompts_are_skipped_and_counted_truncated_or_refused(tokenize
 def test_a_bad_data_file_stops_the_cli_before_any_model_loads(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", GOOD[:1] + ["not json"])
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", f"--data.train_file={path}",
-                           "--data.prompt_column=question", f"--output_dir={run}", "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train",
+                           f"--data.sources=[{{path: '{path}', prompt_column: question}}]", f"--output_dir={run}",
+                           "--quiet"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert f"grpokit: error: {path}:2: not valid JSON" in proc.stderr
@@ -101,8 +102,9 @@ def test_training_from_a_prompt_file_with_skipped_rows(tmp_path):
                        [json.dumps({"question": f"Q: {i}+2\n", "answer": str(i + 2)}) for i in range(8)]
                        + ["{broken", json.dumps({"question": "Q: " + "1+" * 60 + "1\n", "answer": "61"})])
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", f"--data.train_file={path}",
-                           "--data.prompt_column=question", "--data.skip_malformed_lines=true",
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train",
+                           f"--data.sources=[{{path: '{path}', prompt_column: question}}]", "--data.template=none",
+                           "--data.skip_malformed_lines=true",
                            "--data.max_prompt_length=32", f"--output_dir={run}", "--grpo.max_steps=1",
                            "--prompts_per_step=2", "--num_generations=2", "--max_completion_length=4",
                            "--model.tiny.hidden_size=32", "--model.tiny.num_layers=1", "--model.tiny.num_heads=2",

@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
     argv = join_override_values(list(sys.argv[1:] if argv is None else argv))
-    args, overrides = _parser().parse_known_args(argv)
+    # Config overrides bypass argparse, which would take a value with spaces for the CONFIG path.
+    overrides = [a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in OWN_OPTIONS]
+    args, unknown = _parser().parse_known_args([a for a in argv if a not in overrides])
+    overrides += unknown
     if getattr(args, "output_dir", None):
         overrides.append(f"--output_dir={args.output_dir}")
     if getattr(args, "seed", None) is not None:

@@ -42,6 +42,8 @@ class TinyModelConfig:
     num_layers: int = opt(4, "transformer blocks of the tiny model")
     num_heads: int = opt(4, "attention heads of the tiny model")
     intermediate_size: int = opt(512, "MLP width of the tiny model")
+    alphabet: Literal["arithmetic", "ascii"] = opt(
+        "arithmetic", "characters of its tokenizer: the built-in task's, or printable ASCII for text datasets")
 
 
 @dataclass
@@ -69,10 +71,28 @@ class TaskConfig:
 
 
 @dataclass
+class DataSource:
+    path: str = opt("", "local JSONL, JSON or Parquet file")
+    name: str = opt("", "a Hugging Face datasets name instead of a file (needs grpokit[datasets])")
+    subset: str = opt("", "datasets config name, e.g. 'main' for openai/gsm8k")
+    split: str = opt("train", "datasets split")
+    format: Literal["auto", "gsm8k", "math", "plain"] = opt(
+        "auto", "where question and reference live: gsm8k (#### answer), math (boxed / answer field), plain")
+    prompt_column: str = opt("", "column holding the question; empty = the format's (question, problem, prompt)")
+    answer_column: str = opt("", "column holding the reference; empty = the format's (answer, solution, answer)")
+    completion_column: str = opt("completion", "plain format, SFT only: column holding the target completion")
+    max_rows: int = opt(0, "use at most this many rows of the source; 0 = all")
+
+
+@dataclass
 class DataConfig:
-    train_file: str = opt("", "JSONL, JSON or Parquet file of RL prompts; empty = the built-in task")
-    prompt_column: str = opt("prompt", "column of train_file that holds the prompt text")
-    answer_column: str = opt("answer", "column of train_file that holds the reference answer")
+    sources: list[DataSource] = opt([], "RL prompt sources (files or datasets names); empty = the built-in task")
+    sft_sources: list[DataSource] = opt([], "SFT sources with worked solutions; empty = the built-in task")
+    template: str = opt("cot", "prompt template: cot (DeepSeekMath's step-by-step + \\boxed instruction), none, "
+                               "or a custom string containing {question}")
+    chat_template: Literal["auto", "on", "off"] = opt(
+        "auto", "wrap the prompt in the tokenizer's chat template: auto (when it has one), on, off")
+    system_prompt: str = opt("", "optional system message")
     skip_malformed_lines: bool = opt(False, "skip and count malformed lines, missing columns and empty prompts "
                                             "instead of stopping with an error")
     max_prompt_length: int = opt(0, "longest prompt in tokens; 0 = no limit")

@@ -9,7 +9,8 @@ import yaml
 
 from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint
 from grpokit.config import Config, ConfigError, resume_differences, to_dict
-from grpokit.data.files import filter_long_prompts, load_prompt_rows
+from grpokit.data.files import filter_long_prompts
+from grpokit.data.sources import build_rows, check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
@@ -20,12 +21,17 @@ from grpokit.train.sft import sft_train
 
 def run_sft(config: Config, progress: bool = True) -> Path:
     """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations."""
+    check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
     with RunLock(config.output_dir):
         run_dir = start_run(config)
-        sft_rows, _, _ = task_splits(config)
         model, tokenizer = load_policy(config)
-        sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows], config.sft,
-                  seed=config.seed, progress=progress)
+        if config.data.sft_sources:
+            rows = build_rows(config.data.sft_sources, config.data, tokenizer, sft=True)
+            rows, _ = _limit_prompts(rows, config, tokenizer)
+            pairs = [(r["prompt"], r["completion"]) for r in rows]
+        else:
+            pairs = [(r["prompt"], r["solution"]) for r in task_splits(config)[0]]
+        sft_train(model, tokenizer, pairs, config.sft, seed=config.seed, progress=progress)
         path = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
     print(f"saved {path}")
     return path
@@ -46,31 +52,28 @@ def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
         print("grpokit: --force: resuming with changed keys:\n  " + "\n  ".join(differences), file=sys.stderr)
 
 
-def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
-    """(RL prompt rows, held-out rows or None): from data.train_file, or the built-in task."""
+def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> tuple[list[dict], int]:
     d = config.data
-    if not d.train_file:
+    rows, long = filter_long_prompts(rows, tokenizer, d.max_prompt_length, d.long_prompts, "data.sources")
+    if long:
+        done = "skipped" if d.long_prompts == "skip" else "truncated to their last tokens"
+        print(f"grpokit: {long} prompts over {d.max_prompt_length} tokens were {done}", file=sys.stderr)
+    return rows, long
+
+
+def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """(RL prompt rows, held-out rows or None): from data.sources, or the built-in task."""
+    if not config.data.sources:
         _, rows, heldout = task_splits(config)
         return rows, heldout
-    loaded = load_prompt_rows(d.train_file, d.prompt_column, d.answer_column, d.skip_malformed_lines)
-    for line in loaded.skipped[:5]:
-        print(f"grpokit: skipped {line}", file=sys.stderr)
-    if loaded.num_skipped:
-        print(f"grpokit: skipped {loaded.num_skipped} malformed rows of {d.train_file}", file=sys.stderr)
-    rows, long = filter_long_prompts(loaded.rows, tokenizer, d.max_prompt_length, d.long_prompts, d.train_file)
-    if long:
-        print(f"grpokit: {long} prompts over {d.max_prompt_length} tokens were {d.long_prompts}ped"
-              if d.long_prompts == "skip" else f"grpokit: {long} prompts truncated to {d.max_prompt_length} tokens",
-              file=sys.stderr)
+    rows, _ = _limit_prompts(build_rows(config.data.sources, config.data, tokenizer), config, tokenizer)
     return rows, None
 
 
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False) -> Path:
     """GRPO from model.name_or_path; with `resume`, continue exactly from the latest intact
     checkpoint of output_dir (or from the path given)."""
-    if config.data.train_file:  # file errors surface before any model loads
-        load_prompt_rows(config.data.train_file, config.data.prompt_column, config.data.answer_column,
-                         config.data.skip_malformed_lines)
+    check_sources(config.data.sources, config.data.skip_malformed_lines)  # file errors before any model loads
     with RunLock(config.output_dir):
         checkpoint = None
         if resume:

@@ -14,6 +14,8 @@ from grpokit.eval import evaluate
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.rewards import WeightedReward, get_reward_function
 
+ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -52,8 +54,8 @@ def load_policy(config: Config):
     if m.name_or_path:
         return load_model_and_tokenizer(m.name_or_path, m.dtype, m.device, m.attn_implementation,
                                         m.trust_remote_code)
-    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     t = m.tiny
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET if t.alphabet == "arithmetic" else ASCII_ALPHABET)
     model = build_tiny_model(tokenizer, t.architecture, t.hidden_size, t.num_layers, t.num_heads,
                              t.intermediate_size, seed=config.seed)
     return model, tokenizer

@@ -79,6 +79,26 @@ def load_prompt_rows(
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     records, skipped = _read_records(path, skip_malformed)
+    return check_records(records, skipped, str(path), prompt_column, answer_column, skip_malformed)
+
+
+def read_hub_dataset(name: str, subset: str, split: str) -> list[tuple[str, object]]:
+    """[(location, record)] of a Hugging Face `datasets` split (needs the optional extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"data source {name!r} is a datasets name, which needs the optional extra: "
+                           "pip install 'grpokit[datasets]' (or give a local file as path)") from None
+    try:
+        table = datasets.load_dataset(name, subset or None, split=split)
+    except Exception as err:  # offline, unknown name, bad split: say which and why
+        raise DatasetError(f"could not load dataset {name!r} (subset {subset!r}, split {split!r}): {err}") from err
+    return [(f"{name}[{split}][row {i}]", r) for i, r in enumerate(table)]
+
+
+def check_records(records: list[tuple[str, object]], skipped: list[str], source: str, prompt_column: str,
+                  answer_column: str | None, skip_malformed: bool) -> LoadedRows:
+    """Validate located records into rows: objects, with the columns, with a non-empty prompt."""
     rows = []
     for where, record in records:
         problem = None
@@ -102,7 +122,7 @@ def load_prompt_rows(
             row["answer"] = record[answer_column]
         rows.append(row)
     if not rows:
-        raise DatasetError(f"{path}: no usable rows ({len(skipped)} skipped"
+        raise DatasetError(f"{source}: no usable rows ({len(skipped)} skipped"
                            + (f", first: {skipped[0]}" if skipped else "") + ")")
     return LoadedRows(rows, skipped)
 
