@@ -20,8 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", help="run directory (default runs/demo)")
     demo.add_argument("--seed", type=int, help="seed (default 0)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    for name, text in (("train", "GRPO on the built-in task from model.name_or_path"),
-                       ("sft", "SFT the model on the built-in task's worked solutions")):
+    for name, text in (("train", "GRPO from model.name_or_path on data.sources (default: the built-in task)"),
+                       ("sft", "SFT model.name_or_path on data.sft_sources (default: the built-in task's demos)")):
         p = sub.add_parser(name, help=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", nargs="?", help="YAML config")
         p.add_argument("--quiet", action="store_true", help="no progress bars")

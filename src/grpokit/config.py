@@ -364,6 +364,10 @@ def describe(cls=Config) -> str:
         for part in key.split("."):
             node = node[part]
         lines.append(f"  --{key}={node!r}  [{_type_name(tp)}]\n      {f.metadata.get('help', '')}")
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):  # document each item's keys too
+            for sub in dataclasses.fields(item):
+                lines.append(f"        {sub.name}: {getattr(item(), sub.name)!r}  {sub.metadata.get('help', '')}")
     return "\n".join(lines)
 
 

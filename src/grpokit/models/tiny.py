@@ -30,7 +30,7 @@ def build_tiny_model(
     num_layers: int = 4,
     num_heads: int = 4,
     intermediate_size: int = 512,
-    max_position_embeddings: int = 128,
+    max_position_embeddings: int = 2048,
     seed: int = 0,
 ):
     """A randomly initialised Llama or Qwen2 causal LM sized for a laptop CPU."""
