@@ -143,6 +143,16 @@ class GRPOConfig:
 
 
 @dataclass
+class PPOConfig:
+    critic_learning_rate: float = opt(1e-4, "AdamW learning rate of the critic (its own optimizer)")
+    critic_init: str = opt("", "checkpoint to initialise the critic from (e.g. a reward model); empty = the policy")
+    gamma: float = opt(1.0, "GAE discount")
+    lam: float = opt(0.95, "GAE lambda")
+    value_clip: float = opt(0.2, "clip range of the value loss around the rollout-time values")
+    whiten_advantages: bool = opt(True, "normalise GAE advantages to zero mean, unit std over the batch's tokens")
+
+
+@dataclass
 class RewardConfig:
     name: str = opt("chain_accuracy", "built-in reward name or 'package.module:function'")
     weight: float = opt(1.0, "weight of this reward in the sum")
@@ -161,11 +171,14 @@ class EvalConfig:
 class Config:
     output_dir: str = opt("runs/demo", "run directory: config.yaml, metrics.jsonl, checkpoints, plots")
     seed: int = opt(0, "seed for data, initialisation and sampling")
+    algo: Literal["grpo", "ppo"] = opt("grpo", "grpo, or the ppo baseline (critic + GAE, KL in the reward; "
+                                               "shares sampling, lr, epsilon and beta with the grpo section)")
     model: ModelConfig = opt(ModelConfig, "the policy (and frozen reference) model")
     task: TaskConfig = opt(TaskConfig, "the built-in chain-arithmetic task")
     data: DataConfig = opt(DataConfig, "RL prompts from a file instead of the built-in task")
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning that produces pi_SFT")
     grpo: GRPOConfig = opt(GRPOConfig, "the GRPO stage")
+    ppo: PPOConfig = opt(PPOConfig, "PPO-only settings, used when algo=ppo")
     rewards: list[RewardConfig] = opt([RewardConfig()], "reward functions and their weights")
     eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
 
@@ -331,6 +344,8 @@ def validate(config: Config) -> None:
         (0 <= g.epsilon < 1, f"grpo.epsilon must lie in [0, 1), got {g.epsilon}"),
         (g.epsilon_high is None or g.epsilon_high >= 0, f"grpo.epsilon_high must be >= 0, got {g.epsilon_high}"),
         (g.beta >= 0, f"grpo.beta must be >= 0, got {g.beta}"),
+        (0 <= config.ppo.lam <= 1 and 0 <= config.ppo.gamma <= 1, "ppo.gamma and ppo.lam must lie in [0, 1]"),
+        (config.ppo.value_clip > 0, f"ppo.value_clip must be > 0, got {config.ppo.value_clip}"),
         (g.max_completion_length >= 1, f"grpo.max_completion_length must be >= 1, got {g.max_completion_length}"),
         (g.micro_batch_size >= 1, f"grpo.micro_batch_size must be >= 1, got {g.micro_batch_size}"),
         (g.max_failed_steps >= 1, f"grpo.max_failed_steps must be >= 1, got {g.max_failed_steps}"),

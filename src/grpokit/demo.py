@@ -18,8 +18,7 @@ from grpokit.data import arithmetic
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
-from grpokit.stages import build_rewards, evaluate_chain, load_policy, seed_everything, start_run, task_splits
-from grpokit.train.grpo import GRPOTrainer
+from grpokit.stages import evaluate_chain, load_policy, make_trainer, seed_everything, start_run, task_splits
 from grpokit.train.sft import sft_train
 
 
@@ -66,8 +65,7 @@ def _run_demo(config: Config, progress: bool) -> dict:
     print(f"SFT  held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
 
     seed_everything(config.seed)
-    trainer = GRPOTrainer(policy, tokenizer, build_rewards(config), rl_rows, config.grpo, run_dir,
-                          seed=config.seed, progress=progress)
+    trainer = make_trainer(config, policy, tokenizer, rl_rows, run_dir, progress)
     grpo_started = time.perf_counter()
     history = trainer.train()
     grpo_seconds = time.perf_counter() - grpo_started

@@ -14,8 +14,8 @@ from grpokit.data.sources import build_rows, check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
-from grpokit.stages import build_rewards, evaluate_chain, load_policy, start_run, task_splits
-from grpokit.train.grpo import GRPOTrainer, frozen_copy
+from grpokit.stages import evaluate_chain, load_policy, make_trainer, start_run, task_splits
+from grpokit.train.grpo import frozen_copy
 from grpokit.train.sft import sft_train
 
 
@@ -89,8 +89,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             model, _ = load_model_and_tokenizer(str(checkpoint), m.dtype, m.device, m.attn_implementation,
                                                 m.trust_remote_code)
             ref_model = frozen_copy(initial) if config.grpo.beta > 0 else None
-        trainer = GRPOTrainer(model, tokenizer, build_rewards(config), rows, config.grpo, run_dir,
-                              seed=config.seed, progress=progress, ref_model=ref_model)
+        trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)

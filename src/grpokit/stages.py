@@ -68,3 +68,17 @@ def start_run(config: Config) -> Path:
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
     return run_dir
+
+
+def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Path, progress: bool = True,
+                 ref_model=None):
+    """The trainer config.algo names: GRPO, or the PPO baseline on the same loop."""
+    common = dict(seed=config.seed, progress=progress, ref_model=ref_model)
+    if config.algo == "ppo":
+        from grpokit.train.ppo import PPOTrainer
+
+        return PPOTrainer(model, tokenizer, build_rewards(config), rows, config.grpo, run_dir, ppo=config.ppo,
+                          **common)
+    from grpokit.train.grpo import GRPOTrainer
+
+    return GRPOTrainer(model, tokenizer, build_rewards(config), rows, config.grpo, run_dir, **common)

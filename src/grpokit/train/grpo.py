@@ -125,16 +125,15 @@ class GRPOTrainer:
         start = time.perf_counter()
         rows = self._next_rows(cfg.prompts_per_step)
         rollout = sample_groups(self.model, self.tokenizer, [r["prompt"] for r in rows], g, self.sampling, rows)
-        rollout_seconds = time.perf_counter() - start
+        timings = {"perf/rollout_time_s": time.perf_counter() - start}
 
+        t = time.perf_counter()
         result = self._score(rollout)
-        advantages = masked_outcome_advantages(result.total.float(), result.valid, g, scale=cfg.scale_rewards)
+        timings["perf/scoring_time_s"] = time.perf_counter() - t
         loss_mask = rollout.completion_mask * result.valid.unsqueeze(1)
         if cfg.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
-
-        ref_logp, old_logp = self._fixed_logprobs(rollout)
-        stats = self._update(rollout, advantages, loss_mask, ref_logp, old_logp)
+        stats = self.learn(rollout, result, loss_mask, timings)
         self.global_step += 1
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
         if self._nonfinite_streak >= cfg.max_nonfinite_steps:
@@ -162,10 +161,24 @@ class GRPOTrainer:
             "completion/truncated_frac": float(rollout.truncated.float().mean()),
             "perf/tokens_per_s": float(lengths.sum()) / seconds,
             "perf/step_time_s": seconds,
-            "perf/rollout_time_s": rollout_seconds,
+            **timings,
             "lr": self.scheduler.get_last_lr()[0],
         }
         return record
+
+    def learn(self, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor, timings: dict) -> dict:
+        """GRPO's part of the step: group-relative advantages (eq. 5), then mu clipped updates with
+        the k3 KL in the loss (eq. 3-4). Fills timings' logprob and update seconds."""
+        cfg = self.config
+        advantages = masked_outcome_advantages(result.total.float(), result.valid, cfg.num_generations,
+                                               scale=cfg.scale_rewards)
+        t = time.perf_counter()
+        ref_logp, old_logp = self._fixed_logprobs(rollout)
+        timings["perf/logprob_time_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        stats = self._update(rollout, advantages, loss_mask, ref_logp, old_logp)
+        timings["perf/update_time_s"] = time.perf_counter() - t
+        return stats
 
     # ------------------------------------------------------------------ stages
 
@@ -200,8 +213,11 @@ class GRPOTrainer:
         old_logp = token_logprobs(self.model, *args)[0] if reuse else None
         return ref_logp, old_logp
 
-    def _update(self, rollout, advantages, loss_mask, ref_logp, old_logp) -> dict:
+    def _update(self, rollout, advantages, loss_mask, ref_logp, old_logp, beta: float | None = None) -> dict:
+        """mu epochs of clipped policy updates over minibatches; beta=None takes grpo.beta
+        (PPO passes 0: its KL lives in the reward)."""
         cfg = self.config
+        beta = cfg.beta if beta is None else beta
         n = rollout.num_samples
         totals: dict[str, float] = {}
         counted = 0
@@ -229,7 +245,7 @@ class GRPOTrainer:
                         advantages[micro],
                         mask,
                         clip_eps=cfg.epsilon,
-                        beta=cfg.beta,
+                        beta=beta,
                         clip_eps_high=cfg.epsilon_high,
                         aggregation=cfg.loss_aggregation,
                     )
@@ -295,12 +311,13 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it."""
 
-        def extra(tmp: Path) -> None:
-            train_state.save_state(self.state_dict(), tmp / TRAINER_STATE)
-            if (self.run_dir / "config.yaml").is_file():
-                shutil.copyfile(self.run_dir / "config.yaml", tmp / "config.yaml")
+        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files)
 
-        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, extra)
+    def _write_extra_files(self, directory: Path) -> None:
+        """Everything besides the policy that goes into a checkpoint (subclasses add models)."""
+        train_state.save_state(self.state_dict(), directory / TRAINER_STATE)
+        if (self.run_dir / "config.yaml").is_file():
+            shutil.copyfile(self.run_dir / "config.yaml", directory / "config.yaml")
 
     def resume_from(self, checkpoint: str | Path) -> None:
         """Restore trainer state from `checkpoint` (the weights are loaded by the caller) and drop

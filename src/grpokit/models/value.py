@@ -1,0 +1,57 @@
+"""PPO's critic: a policy-sized transformer with a scalar value per token.
+
+It is `AutoModelForTokenClassification` with num_labels=1: the policy's backbone plus a linear
+`score` head, so it saves and loads like any Hugging Face checkpoint. Initialised from the
+policy (backbone weights copied, head zero so V starts at 0) or from a reward model's checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_critic(policy: torch.nn.Module, init_from: str = "") -> torch.nn.Module:
+    """A value model the policy's size: from `init_from` (a checkpoint path) or the policy's backbone."""
+    from transformers import AutoModelForTokenClassification
+
+    device = next(policy.parameters()).device
+    if init_from:
+        critic = AutoModelForTokenClassification.from_pretrained(init_from, num_labels=1, classifier_dropout=0.0,
+                                                                 dtype=next(policy.parameters()).dtype)
+        return critic.to(device)
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    config.num_labels = 1
+    config.problem_type = "regression"
+    config.classifier_dropout = 0.0  # values must not be noisy; HF's default would be 0.1
+    critic = AutoModelForTokenClassification.from_config(config).to(device=device, dtype=next(policy.parameters()).dtype)
+    missing, _ = critic.load_state_dict(policy.state_dict(), strict=False)  # the LM head is not carried over
+    backbone_missing = [k for k in missing if not k.startswith("score.")]
+    if backbone_missing:
+        raise ValueError(f"cannot initialise the critic from the policy: backbone weights {backbone_missing[:3]} "
+                         "have no counterpart; set ppo.critic_init to a value/reward model checkpoint")
+    with torch.no_grad():
+        critic.score.weight.zero_()
+        if getattr(critic.score, "bias", None) is not None:
+            critic.score.bias.zero_()
+    return critic
+
+
+def token_values(
+    critic: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    micro_batch_size: int = 32,
+) -> torch.Tensor:
+    """V(s_t) for each completion token t: the value of the state just before o_t is chosen,
+    read at the same column as the logit that predicts o_t. [N, P + T] -> [N, T], float32."""
+    from grpokit.rollout.logprobs import position_ids_for
+
+    device = next(critic.parameters()).device
+    out = []
+    for start in range(0, input_ids.shape[0], micro_batch_size):
+        ids = input_ids[start : start + micro_batch_size].to(device)
+        mask = attention_mask[start : start + micro_batch_size].to(device)
+        logits = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask)).logits
+        out.append(logits[:, prompt_length - 1 : -1, 0].float())
+    return torch.cat(out)
