@@ -6,6 +6,7 @@
 score this sample": it is masked out of the loss and counted, never turned into 0.
 """
 
+from grpokit.rewards.math_rewards import math_accuracy
 from grpokit.rewards.registry import RewardFunction, get_reward_function, register_reward
 from grpokit.rewards.scoring import RewardResult, WeightedReward, score_completions
 
@@ -14,6 +15,7 @@ __all__ = [
     "RewardResult",
     "WeightedReward",
     "get_reward_function",
+    "math_accuracy",
     "register_reward",
     "score_completions",
 ]

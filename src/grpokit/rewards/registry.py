@@ -22,8 +22,11 @@ def register_reward(name: str):
 
 def _builtins() -> None:
     from grpokit.data import arithmetic
+    from grpokit.rewards import math_rewards
 
     _REGISTRY.setdefault("chain_accuracy", arithmetic.chain_accuracy)
+    _REGISTRY.setdefault("math_accuracy", math_rewards.math_accuracy)
+    _REGISTRY.setdefault("format", math_rewards.format_reward)
 
 
 def get_reward_function(name: str) -> RewardFunction:
