@@ -256,9 +256,11 @@ def test_math_accuracy_from_a_worker_thread():
 def test_trainer_scoring_path_with_its_timeout_thread():
     # score_completions runs a function with timeout_s in a separate thread.
     spec = WeightedReward("math", get_reward_function("math_accuracy"), timeout_s=60.0)
-    res = score_completions([spec], ["p", "p"], [r"\boxed{\frac{2}{4}}", r"\boxed{3}"], {"answer": ["0.5", "2"]})
+    res = score_completions([spec], ["p"] * 3, [r"\boxed{\frac{2}{4}}", r"\boxed{3}", r"\boxed{10^{10^{10^{10}}}}"],
+                            {"answer": ["0.5", "2", "5"]})
     assert res.valid.all()
-    assert res.total.tolist() == [1.0, 0.0]
+    assert res.total.tolist() == [1.0, 0.0, 0.0]
+    assert res.timeouts == {"math": 1}  # counted, so the trainer logs it as rewards/timeouts
 
 
 def test_registry_and_exports():

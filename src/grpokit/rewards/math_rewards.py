@@ -96,10 +96,20 @@ def math_accuracy_with_stats(
     return AccuracyResult(scores, counts["timeout"], counts["error"], no_answer, verified)
 
 
+class Scores(list):
+    """A reward function's list of scores that also says how many samples ran out of time;
+    `score_completions` logs it as rewards/timeouts. Still a plain list to any other caller."""
+
+    timeouts: int = 0
+
+
 def math_accuracy(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
     """1.0 when the completion's final answer is equivalent to the reference `answer`, else 0.0.
     Scores of `math_accuracy_with_stats`; use that to log timeouts."""
-    return math_accuracy_with_stats(prompts, completions, answer, **columns).scores
+    result = math_accuracy_with_stats(prompts, completions, answer, **columns)
+    scores = Scores(result.scores)
+    scores.timeouts = result.timeouts
+    return scores
 
 
 def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:

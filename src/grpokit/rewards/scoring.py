@@ -99,6 +99,8 @@ def score_completions(
             if raw is None or len(raw) != n:
                 raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
             scores = torch.tensor([_to_float(v) for v in raw], dtype=torch.float64)
+            if getattr(raw, "timeouts", 0):  # e.g. math_accuracy: verifications that ran out of time
+                timeouts[spec.name] = int(raw.timeouts)
         except Exception as err:  # a broken reward must not kill the run: mask and count it
             if isinstance(err, RewardTimeout):
                 timeouts[spec.name] = n
