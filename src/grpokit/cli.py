@@ -14,6 +14,7 @@ EPILOG = "config keys (YAML or --key=value; a bare leaf name works when unique):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO (DeepSeekMath) for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic")
     demo = sub.add_parser("demo", help="SFT a tiny model, GRPO it, show the before/after table (CPU, minutes)",
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("config", nargs="?", help="optional YAML config; defaults are the embedded demo")
@@ -51,12 +52,31 @@ def join_override_values(argv: list[str]) -> list[str]:
     return out
 
 
+def bench(argv: list[str]) -> int:
+    """`grpokit bench cost ...` (measured) or `grpokit bench memory ...` (analytic)."""
+    if argv[:1] == ["cost"]:
+        from grpokit.bench.cost import main as cost_main
+
+        return cost_main(argv[1:])
+    if argv[:1] == ["memory"]:
+        from grpokit.bench.memory import main as memory_main
+
+        return memory_main(argv[1:])
+    print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
+          "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic",
+          file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    if argv_list[:1] == ["bench"]:
+        return bench(argv_list[1:])
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
-    argv = join_override_values(list(sys.argv[1:] if argv is None else argv))
+    argv = join_override_values(argv_list)
     # Config overrides bypass argparse, which would take a value with spaces for the CONFIG path.
     overrides = [a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in OWN_OPTIONS]
     args, unknown = _parser().parse_known_args([a for a in argv if a not in overrides])

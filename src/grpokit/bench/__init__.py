@@ -1,0 +1,1 @@
+"""Measurements: the cost of GRPO vs PPO, measured (`cost`) and estimated (`memory`)."""
