@@ -2,7 +2,6 @@
 and agreement with reference data (fixtures always; the full benchmark when the data is here)."""
 
 import importlib.util
-import json
 import os
 import signal
 import sys
