@@ -106,15 +106,30 @@ def _worker_command(algo: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "grpokit.bench.cost", "--worker", algo, *options]
 
 
+def _combine(runs: list[dict]) -> dict:
+    """Medians over repeated runs of one algorithm (each run is itself a median over steps)."""
+    out = dict(runs[0])
+    for key in ("step_seconds", "peak_mem_bytes", "baseline_rss_bytes", "peak_above_baseline_bytes"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in runs)
+    out["stage_seconds"] = {k: statistics.median(r["stage_seconds"][k] for r in runs) for k in out["stage_seconds"]}
+    out["repeats"] = len(runs)
+    return out
+
+
 def run_cost(args: argparse.Namespace) -> dict:
-    """Both algorithms, each in a fresh subprocess; returns {"grpo": {...}, "ppo": {...}, "ratios": {...}}."""
-    results = {}
-    for algo in ("grpo", "ppo"):
-        print(f"measuring {algo} ({args.steps} steps after one warm-up) ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(_worker_command(algo, args), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the {algo} measurement failed:\n{proc.stderr[-3000:]}")
-        results[algo] = json.loads(proc.stdout.strip().splitlines()[-1])
+    """Both algorithms, each run in a fresh subprocess, alternating (GRPO, PPO, PPO, GRPO, ...) so
+    that machine noise falls on both; returns {"grpo": {...}, "ppo": {...}, "ratios": {...}}."""
+    runs: dict[str, list[dict]] = {"grpo": [], "ppo": []}
+    for i in range(args.repeats):
+        for algo in (("grpo", "ppo") if i % 2 == 0 else ("ppo", "grpo")):
+            print(f"measuring {algo} (run {i + 1}/{args.repeats}: {args.steps} steps after one warm-up) ...",
+                  file=sys.stderr, flush=True)
+            proc = subprocess.run(_worker_command(algo, args), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {algo} measurement failed:\n{proc.stderr[-3000:]}")
+            runs[algo].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    results = {algo: _combine(r) for algo, r in runs.items()}
     g, p = results["grpo"], results["ppo"]
     results["ratios"] = {"peak_mem": g["peak_mem_bytes"] / p["peak_mem_bytes"],
                          "step_time": g["step_seconds"] / p["step_seconds"]}
@@ -137,7 +152,8 @@ def format_table(results: dict) -> str:
         a, b = g["stage_seconds"][name], p["stage_seconds"][name]
         rows.append((f"  {name}", sec(a), sec(b), f"{a / b:.2f}" if b else "-"))
     head = (f"model: Llama, {g['params'] / 1e6:.1f}M parameters on {g['device']}; "
-            f"{g['steps_measured']} measured steps each; completion tokens ~{g['completion_tokens_mean']:.0f}")
+            f"{g['repeats']} run(s) x {g['steps_measured']} measured steps each, medians; "
+            f"completion tokens ~{g['completion_tokens_mean']:.0f}")
     lines = [head, "", "| | GRPO | PPO | GRPO / PPO |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines)
@@ -153,6 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
+    parser.add_argument("--repeats", type=int, default=1, help="fresh runs of each algorithm, alternating")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     parser.add_argument("--device", default="auto")
