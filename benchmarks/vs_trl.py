@@ -1,0 +1,583 @@
+"""grpokit vs TRL's GRPOTrainer: step time and reward on the same tiny model and task, on CPU.
+
+    pip install -e ".[bench]"         # grpokit + trl
+    python benchmarks/vs_trl.py                          # both configs, 40 steps, 2 alternating pairs
+    python benchmarks/vs_trl.py --configs tiny --steps 30 --json results.json
+
+What runs
+---------
+1. For each config a tiny Llama is built with grpokit's `build_tiny_model` and
+   `build_char_tokenizer(arithmetic.ALPHABET)`, briefly SFT-ed with grpokit's `sft_train` on the
+   built-in chain-arithmetic task (so rewards are non-trivial), and saved once with
+   `save_pretrained` (model + tokenizer). Both trainers load that one checkpoint in fp32.
+2. Measured runs alternate, each in its own subprocess: TRL, grpokit, TRL, grpokit, ...
+   (`--pairs` pairs). Every subprocess pins the same thread count (`torch.set_num_threads`
+   plus OMP/MKL variables) and checks that the policy is fp32 and that a separate frozen
+   reference model exists.
+3. Both use grpokit's `chain_accuracy` reward, whose signature is TRL's
+   `fn(prompts, completions, **columns)`; the dataset has `prompt` and `answer` columns.
+
+What "one step" is in each (the mapping)
+----------------------------------------
+One step = one generation batch of B prompts x G completions, scored, then exactly one
+optimizer step on all B*G completions (mu = num_iterations = 1, so pi_old = pi_theta and
+neither trainer runs an extra pi_old forward pass).
+
+  grpokit: prompts_per_step = B, num_generations = G, num_minibatches = 1,
+           micro_batch_size = B*G (one forward/backward), generation_batch_size >= B*G.
+  TRL:     per_device_train_batch_size = B*G (TRL counts completions, not prompts),
+           gradient_accumulation_steps = 1, so generation_batch_size = B*G and
+           steps_per_generation = 1; num_generations = G (B = B*G / G prompts per batch).
+
+Same settings in both: loss_type "grpo" (TRL) = loss_aggregation "sequence" (grpokit): per-
+sequence token mean, then mean over sequences; beta 0.04 with a frozen reference model (k3
+KL); epsilon 0.2 (symmetric clip); group-std advantage scaling; temperature; top_p 1 and no
+top_k; max_completion_length; AdamW lr constant (no warm-up, no decay), betas (0.9, 0.99),
+no weight decay; grad-norm clip 1.0; seed; fp32; no gradient checkpointing (TRL's default is
+on, turned off here since grpokit does not checkpoint); bf16 off (TRL's default is on).
+
+What is timed
+-------------
+step:     TRL: on_step_begin -> on_step_end callback (generation, rewards, reference
+          log-probs, forward/backward, clip, optimizer step). grpokit: `perf/step_time_s` of
+          metrics.jsonl (the same stages). Loop overhead outside a step (TRL's logging and data
+          loader, grpokit's metrics line) is left out of both.
+generate: time inside the policy's `model.generate` (an instance-level timer in both).
+score+ref: the rest of the rollout stage: prompt tokenizing, decoding, rewards, advantages,
+          reference log-probs (TRL: `_generate_and_score_completions` minus generate;
+          grpokit: step minus generate minus `_update`).
+update:   policy forward + backward + clip + optimizer step (TRL: step minus
+          `_generate_and_score_completions`; grpokit: `_update`).
+The median skips the first `--warmup` steps of every run; the reward is the mean batch
+reward over the last 20 steps of each run, averaged over runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {
+    # name: model shape, prompts per step B, completions per prompt G, new tokens
+    "tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512,
+             "prompts": 8, "generations": 8, "max_new_tokens": 8},
+    "small": {"hidden_size": 256, "num_layers": 6, "num_heads": 4, "intermediate_size": 1024,
+              "prompts": 8, "generations": 8, "max_new_tokens": 32},
+}
+BETA, EPSILON = 0.04, 0.2
+REWARD_WINDOW = 20
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _thread_env(threads: int) -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    return env
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "trl", "accelerate", "grpokit"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+class Timer:
+    """Accumulates seconds spent inside wrapped callables, per step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return timed
+
+
+def _check_fp32(*models) -> None:
+    import torch
+
+    for m in models:
+        dtypes = {p.dtype for p in m.parameters()}
+        if dtypes != {torch.float32}:
+            raise RuntimeError(f"expected an fp32 model, found parameter dtypes {dtypes}")
+
+
+# ---------------------------------------------------------------------------- preparation
+
+
+def prepare(name: str, workdir: Path, sft_steps: int, seed: int, threads: int, num_rl_questions: int) -> dict:
+    """SFT a tiny Llama once for config `name`, save it, and write the RL prompts; reused if present."""
+    import torch
+
+    from grpokit.config import SFTConfig
+    from grpokit.data import arithmetic
+    from grpokit.models import build_char_tokenizer, build_tiny_model
+    from grpokit.train.sft import sft_train
+
+    shape = CONFIGS[name]
+    out = workdir / f"{name}-sft{sft_steps}-seed{seed}"
+    data = workdir / f"rl-prompts-seed{seed}-{num_rl_questions}.jsonl"
+    task = arithmetic.ChainTask()
+    if not data.is_file():
+        rows = arithmetic.make_rows(arithmetic.sample_questions(num_rl_questions, seed + 1, task, "train"))
+        data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    info_path = out / "bench_sft.json"
+    if info_path.is_file():
+        return {"model_dir": str(out), "data": str(data), **json.loads(info_path.read_text())}
+
+    _set_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    model = build_tiny_model(tokenizer, "llama", shape["hidden_size"], shape["num_layers"], shape["num_heads"],
+                             shape["intermediate_size"], seed=seed)
+    sft_rows = arithmetic.make_sft_rows(arithmetic.sample_questions(4000, seed, task, "train"), 0.7, seed)
+    started = time.perf_counter()
+    losses = []
+    if sft_steps > 0:
+        losses = sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows],
+                           SFTConfig(max_steps=sft_steps, warmup_steps=min(30, sft_steps // 5 + 1)),
+                           seed=seed, progress=False)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    info = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sft_steps": sft_steps,
+        "sft_final_loss": losses[-1] if losses else None,
+        "sft_seconds": time.perf_counter() - started,
+    }
+    info_path.write_text(json.dumps(info))
+    return {"model_dir": str(out), "data": str(data), **info}
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_grpokit(args) -> dict:
+    import torch
+
+    from grpokit.config import GRPOConfig
+    from grpokit.data import arithmetic
+    from grpokit.metrics import read_metrics
+    from grpokit.models import load_model_and_tokenizer
+    from grpokit.rewards import WeightedReward
+    from grpokit.train.grpo import GRPOTrainer
+
+    shape = CONFIGS[args.config]
+    b, g = shape["prompts"], shape["generations"]
+    random_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model_dir, dtype="fp32", device="cpu")
+    config = GRPOConfig(
+        num_generations=g,
+        prompts_per_step=b,
+        max_completion_length=shape["max_new_tokens"],
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        beta=BETA,
+        epsilon=EPSILON,
+        num_iterations=1,
+        num_minibatches=1,
+        loss_aggregation="sequence",
+        scale_rewards=True,
+        temperature=args.temperature,
+        top_p=1.0,
+        micro_batch_size=b * g,
+        generation_batch_size=max(512, b * g),
+        max_grad_norm=1.0,
+        warmup_steps=0,  # constant lr from step 1, like TRL's lr_scheduler_type="constant"
+        weight_decay=0.0,
+    )
+    rewards = [WeightedReward("chain_accuracy", arithmetic.chain_accuracy, 1.0, 60.0)]  # grpokit's defaults
+    run_dir = Path(args.run_dir)
+    trainer = GRPOTrainer(model, tokenizer, rewards, _load_rows(args.data), config, run_dir, seed=args.seed,
+                          progress=False)
+    if trainer.ref_model is None or trainer.ref_model is trainer.model:
+        raise RuntimeError("grpokit did not build a separate reference model")
+    _check_fp32(trainer.model, trainer.ref_model)
+
+    timer = Timer()
+    model.generate = timer.wrap("generate", model.generate)
+    trainer._update = timer.wrap("update", trainer._update)
+    per_step: list[dict] = []
+    original_step = trainer.step
+
+    def step():
+        timer.reset()
+        record = original_step()
+        per_step.append({"generate": timer.seconds.get("generate", 0.0), "update": timer.seconds.get("update", 0.0),
+                         "threads": torch.get_num_threads()})
+        return record
+
+    trainer.step = step
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = []
+    for row, extra in zip(rows, per_step):
+        total = row["perf/step_time_s"]
+        steps.append({
+            "step": row["step"],
+            "step_time_s": total,
+            "generate_s": extra["generate"],
+            "score_ref_s": total - extra["generate"] - extra["update"],
+            "update_s": extra["update"],
+            "reward": row["reward/mean"],
+            "completion_length": row["completion/mean_length"],
+            "kl": row["kl"],
+            "threads": extra["threads"],
+            # grpokit's own metrics.jsonl timings
+            "perf/rollout_time_s": row["perf/rollout_time_s"],
+            "perf/step_time_s": row["perf/step_time_s"],
+        })
+    return {"train_wall_s": wall, "steps": steps}
+
+
+def random_seed(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_trl(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpokit.data import arithmetic
+
+    shape = CONFIGS[args.config]
+    b, g = shape["prompts"], shape["generations"]
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=str(Path(args.run_dir) / "trl"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=args.seed,
+        max_steps=args.steps,
+        per_device_train_batch_size=b * g,  # completions, not prompts
+        gradient_accumulation_steps=1,
+        num_generations=g,
+        num_iterations=1,
+        max_completion_length=shape["max_new_tokens"],
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=BETA,
+        epsilon=EPSILON,
+        loss_type="grpo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        dataloader_num_workers=0,
+    )
+    assert config.generation_batch_size == b * g and config.steps_per_generation == 1, config
+    dataset = Dataset.from_list(_load_rows(args.data))
+    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic.chain_accuracy], args=config,
+                          train_dataset=dataset, processing_class=tokenizer)
+    trainer.remove_callback(PrinterCallback)
+    if trainer.ref_model is None or trainer.ref_model is trainer.model:
+        raise RuntimeError("TRL did not build a separate reference model")
+    _check_fp32(trainer.model, trainer.ref_model)
+
+    timer = Timer()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    policy.generate = timer.wrap("generate", policy.generate)
+    trainer._generate_and_score_completions = timer.wrap("rollout", trainer._generate_and_score_completions)
+    per_step: dict[int, dict] = {}
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args_, state, control, **kw):
+            timer.reset()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kw):
+            total = time.perf_counter() - self.start
+            gen, rollout = timer.seconds.get("generate", 0.0), timer.seconds.get("rollout", 0.0)
+            per_step[state.global_step] = {"step": state.global_step, "step_time_s": total, "generate_s": gen,
+                                           "score_ref_s": rollout - gen, "update_s": total - rollout,
+                                           "threads": torch.get_num_threads()}
+
+        def on_log(self, args_, state, control, logs=None, **kw):
+            if logs and "reward" in logs and state.global_step in per_step:
+                per_step[state.global_step].update({
+                    "reward": logs["reward"],
+                    "completion_length": logs.get("completions/mean_length"),
+                    "kl": logs.get("kl"),
+                    "trl/step_time": logs.get("step_time"),  # TRL's own training_step timer (no optimizer step)
+                })
+
+    trainer.add_callback(StepTimes())
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    return {"train_wall_s": wall, "steps": [per_step[k] for k in sorted(per_step)]}
+
+
+def _run_settings(args) -> dict:
+    """What a run's numbers depend on; a reused run must match all of it."""
+    return {k: getattr(args, k) for k in ("framework", "config", "model_dir", "steps", "threads", "lr",
+                                            "temperature", "seed")}
+
+
+def worker(args) -> None:
+    _set_threads(args.threads)
+    import torch
+
+    result = run_trl(args) if args.framework == "trl" else run_grpokit(args)
+    result.update({"framework": args.framework, "config": args.config, "threads": torch.get_num_threads(),
+                   "versions": versions(), "settings": _run_settings(args)})
+    Path(args.out).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(name: str, runs: list[dict], warmup: int, info: dict) -> dict:
+    out = {"config": name, "parameters": info["parameters"], **CONFIGS[name]}
+    for fw in ("trl", "grpokit"):
+        mine = [r for r in runs if r["framework"] == fw]
+        timed = [s for r in mine for s in r["steps"][warmup:]]
+        rewards = [statistics.fmean([s["reward"] for s in r["steps"][-REWARD_WINDOW:]]) for r in mine]
+        out[fw] = {
+            "runs": len(mine),
+            "median_step_s": median([s["step_time_s"] for s in timed]),
+            "median_generate_s": median([s["generate_s"] for s in timed]),
+            "median_score_ref_s": median([s["score_ref_s"] for s in timed]),
+            "median_update_s": median([s["update_s"] for s in timed]),
+            "median_step_s_per_run": [median([s["step_time_s"] for s in r["steps"][warmup:]]) for r in mine],
+            f"reward_last{REWARD_WINDOW}": statistics.fmean(rewards) if rewards else float("nan"),
+            f"reward_last{REWARD_WINDOW}_per_run": rewards,
+            "mean_completion_length": statistics.fmean(s["completion_length"] for s in timed) if timed else None,
+            "threads": sorted({s["threads"] for s in timed}),
+        }
+        if fw == "grpokit":
+            out[fw]["median_perf_rollout_time_s"] = median([s["perf/rollout_time_s"] for s in timed])
+    out["ratio"] = out["grpokit"]["median_step_s"] / out["trl"]["median_step_s"]
+    out["ratio_per_pair"] = [g / t for t, g in zip(out["trl"]["median_step_s_per_run"],
+                                                  out["grpokit"]["median_step_s_per_run"])]
+    return out
+
+
+def table(results: list[dict]) -> str:
+    w = f"last {REWARD_WINDOW}"
+    lines = [
+        (f"| config | params | prompts x G, new tokens | TRL s/step | grpokit s/step | ratio grpokit/TRL "
+         f"(per pair) | TRL reward ({w}) | grpokit reward ({w}) |"),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        pairs = ", ".join(f"{x:.2f}" for x in r["ratio_per_pair"])
+        lines.append(
+            f"| {r['config']} | {r['parameters'] / 1e6:.2f}M | {r['prompts']} x {r['generations']}, "
+            f"{r['max_new_tokens']} | {r['trl']['median_step_s']:.3f} | {r['grpokit']['median_step_s']:.3f} | "
+            f"**{r['ratio']:.2f}** ({pairs}) | {r['trl'][f'reward_last{REWARD_WINDOW}']:.3f} | "
+            f"{r['grpokit'][f'reward_last{REWARD_WINDOW}']:.3f} |"
+        )
+    lines += [
+        "",
+        ("Where a step's time goes (medians, seconds; score+ref = tokenize/decode, rewards, advantages, "
+         "reference log-probs; update = policy forward+backward+optimizer):"),
+        "",
+        "| config | trainer | step | generate | score+ref | update | mean completion tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for fw, label in (("trl", "TRL"), ("grpokit", "grpokit")):
+            d = r[fw]
+            step = d["median_step_s"]
+
+            def cell(v, step=step):
+                return f"{v:.3f} ({100 * v / step:.0f}%)"
+
+            lines.append(f"| {r['config']} | {label} | {step:.3f} | {cell(d['median_generate_s'])} | "
+                         f"{cell(d['median_score_ref_s'])} | {cell(d['median_update_s'])} | "
+                         f"{d['mean_completion_length']:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_sft_steps(text: str, names: list[str]) -> dict[str, int]:
+    """"200" (every config) or "tiny=200,small=100"."""
+    if "=" not in text:
+        return {n: int(text) for n in names}
+    steps = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        steps[key.strip()] = int(value)
+    missing = [n for n in names if n not in steps]
+    if missing:
+        sys.exit(f"--sft-steps names no value for config(s) {missing}")
+    return steps
+
+
+def driver(args) -> None:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if args.steps <= args.warmup:
+        sys.exit("--steps must exceed --warmup")
+    sft_steps = parse_sft_steps(args.sft_steps, names)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="grpokit-vs-trl-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = _thread_env(args.threads)
+    print(f"workdir {workdir}; threads {args.threads}; versions {versions()}", flush=True)
+    results = []
+    for name in names:
+        info = prepare(name, workdir, sft_steps[name], args.seed, args.threads, args.rl_questions)
+        print(f"[{name}] {info['parameters'] / 1e6:.2f}M parameters, SFT {info['sft_steps']} steps "
+              f"(loss {info['sft_final_loss']}) -> {info['model_dir']}", flush=True)
+        runs = []
+        for pair in range(args.pairs):
+            for fw in ("trl", "grpokit"):  # alternate: TRL, grpokit, TRL, grpokit, ...
+                run_dir = workdir / f"{name}-{fw}-{pair}"
+                out = workdir / f"{name}-{fw}-{pair}.json"
+                wanted = {"framework": fw, "config": name, "model_dir": info["model_dir"], "steps": args.steps,
+                          "threads": args.threads, "lr": args.lr, "temperature": args.temperature, "seed": args.seed}
+                if args.reuse and out.is_file():
+                    run = json.loads(out.read_text())
+                    if run.get("settings") == wanted:
+                        runs.append(run)
+                        print(f"[{name}] pair {pair + 1}/{args.pairs} {fw:8s} reused {out}", flush=True)
+                        continue
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)
+                cmd = [sys.executable, __file__, "_worker", "--framework", fw, "--config", name,
+                       "--model-dir", info["model_dir"], "--data", info["data"], "--run-dir", str(run_dir),
+                       "--out", str(out), "--steps", str(args.steps), "--threads", str(args.threads),
+                       "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(args.seed)]
+                started = time.perf_counter()
+                proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-10000:])
+                    sys.exit(f"{fw} run failed for config {name} (exit {proc.returncode})")
+                run = json.loads(out.read_text())
+                runs.append(run)
+                times = [s["step_time_s"] for s in run["steps"][args.warmup:]]
+                rew = [s["reward"] for s in run["steps"][-REWARD_WINDOW:]]
+                print(f"[{name}] pair {pair + 1}/{args.pairs} {fw:8s} median {median(times):.3f} s/step, "
+                      f"reward(last {REWARD_WINDOW}) {statistics.fmean(rew):.3f}, "
+                      f"subprocess {time.perf_counter() - started:.0f}s", flush=True)
+        results.append(summarize(name, runs, args.warmup, info) | {"sft": info, "runs": runs})
+    text = table(results)
+    print()
+    print(text)
+    if args.json:
+        payload = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "versions": versions(),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "settings": {k: v for k, v in vars(args).items() if k != "func"},
+            "results": results,
+            "table": text,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {args.json}")
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":
+        p = argparse.ArgumentParser(prog="vs_trl.py _worker")
+        p.add_argument("--framework", choices=["trl", "grpokit"], required=True)
+        p.add_argument("--config", choices=sorted(CONFIGS), required=True)
+        for key in ("--model-dir", "--data", "--run-dir", "--out"):
+            p.add_argument(key, required=True)
+        p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--threads", type=int, required=True)
+        p.add_argument("--lr", type=float, required=True)
+        p.add_argument("--temperature", type=float, required=True)
+        p.add_argument("--seed", type=int, required=True)
+        worker(p.parse_args(argv[1:]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps per run (default 40)")
+    p.add_argument("--configs", default="tiny,small", help=f"comma-separated, from {sorted(CONFIGS)}")
+    p.add_argument("--json", default="", help="write all per-step results and the summary to this path")
+    p.add_argument("--pairs", type=int, default=2, help="alternating TRL/grpokit run pairs per config (default 2)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the median")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in every run (default 1: on a shared machine, 2+ OpenMP threads per process "
+                        "spin-wait on each other when the cores are oversubscribed and single steps take 10x longer)")
+    p.add_argument("--lr", type=float, default=5e-5, help="constant AdamW learning rate of both (default 5e-5)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both (default 1.0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", default="tiny=200,small=150",
+                   help="grpokit SFT steps before GRPO: one number, or per config (default tiny=200,small=150)")
+    p.add_argument("--rl-questions", type=int, default=5000, help="RL prompts in the shared dataset")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse finished runs in --workdir whose settings match (to resume an interrupted benchmark)")
+    p.add_argument("--workdir", default="", help="where checkpoints and runs go; reused SFT checkpoints if present "
+                                                 "(default: a new temp dir)")
+    driver(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
