@@ -1,5 +1,7 @@
 """The built-in chain task: solutions, step grades, answer extraction, disjoint splits."""
 
+import re
+
 import pytest
 
 from grpokit.data import arithmetic
@@ -7,18 +9,24 @@ from grpokit.data import arithmetic
 
 def test_solve_and_format():
     steps, answer = arithmetic.solve("7+5-3+9")
-    assert steps == ["7+5=12", "12-3=9", "9+9=18"] and answer == 18
-    assert arithmetic.format_solution("7+5-3+9") == "7+5=12\n12-3=9\n9+9=18\nA: 18"
+    assert steps == ["12-3+9", "9+9"] and answer == 18
+    assert arithmetic.format_solution("7+5-3+9") == "12-3+9\n9+9\nA: 18"
+    assert arithmetic.format_solution("7+5") == "A: 12"  # one operation: the answer line does it
     assert arithmetic.format_prompt("7+5") == "Q: 7+5\n"
+    assert arithmetic.reduce_once("12-3+9") == "9+9" and arithmetic.reduce_once("3-5") == "-2"
+    with pytest.raises(ValueError, match="not a chain"):
+        arithmetic.reduce_once("12")
 
 
-def test_check_steps_grades_each_line():
-    q = "7+5-3"
-    assert arithmetic.check_steps(q, "7+5=12\n12-3=9\nA: 9") == [True, True]
-    assert arithmetic.check_steps(q, "7+5=13\n13-3=10\nA: 10") == [False, True]  # wrong sum, then consistent
-    assert arithmetic.check_steps(q, "7+5=12\n12-4=8\nA: 8") == [True, False]  # wrong operand
-    assert arithmetic.check_steps(q, "7+5=12\n11-3=8\nA: 8") == [True, False]  # does not carry the result
-    assert arithmetic.check_steps(q, "garbage\nA: 9") == [False]
+def test_check_steps_grades_each_line_against_the_line_above():
+    q = "7+5-3+1"
+    assert arithmetic.check_steps(q, "12-3+1\n9+1\nA: 10") == [True, True]
+    assert arithmetic.check_steps(q, "13-3+1\n10+1\nA: 11") == [False, True]  # wrong sum, then consistent
+    assert arithmetic.check_steps(q, "12-4+1\n8+1\nA: 9") == [False, True]  # miscopied operand
+    assert arithmetic.check_steps(q, "12-3+1\n8+1\nA: 9") == [True, False]  # wrong difference
+    assert arithmetic.check_steps(q, "12-3+1\n9\nA: 9") == [True, False]  # skips an operation
+    assert arithmetic.check_steps(q, "garbage\nnonsense\nA: 9") == [False, False]
+    assert arithmetic.check_steps(q, "A: 10") == []
 
 
 def test_splits_are_disjoint_and_reproducible():
@@ -34,10 +42,11 @@ def test_splits_are_disjoint_and_reproducible():
 def test_questions_respect_the_task_bounds():
     task = arithmetic.ChainTask(min_ops=2, max_ops=3, max_start=20, max_operand=5, max_value=30)
     for q in arithmetic.sample_questions(300, 1, task, "train"):
-        steps, _ = arithmetic.solve(q)
-        assert 2 <= len(steps) <= 3
+        steps, answer = arithmetic.solve(q)
+        assert 1 <= len(steps) <= 2  # one line fewer than operations: the answer line does the last
         for step in steps:
-            assert 0 <= int(step.split("=")[1]) <= 30
+            assert 0 <= int(re.match(r"\d+", step).group()) <= 30
+        assert 0 <= answer <= 30
 
 
 def test_bad_task_is_rejected():
@@ -48,6 +57,7 @@ def test_bad_task_is_rejected():
 
 
 def test_shows_steps():
-    assert arithmetic.shows_steps("7+5=12\nA: 12")
+    assert arithmetic.shows_steps("12-3\nA: 9")
     assert not arithmetic.shows_steps("A: 12")
+    assert not arithmetic.shows_steps("A: 12\n12-3")
     assert not arithmetic.shows_steps("seven plus five\nA: 12")

@@ -1,10 +1,13 @@
 """The demo's built-in task: short chains of integer additions and subtractions.
 
     prompt:     "Q: 7+5-3+9\n"
-    completion: "7+5=12\n12-3=9\n9+9=18\nA: 18"
+    completion: "12-3+9\n9+9\nA: 18"
 
-Each line is one reasoning step that a rule checks (`check_steps`), so the same task
-serves outcome supervision (final answer) and process supervision (step grades).
+Each line is one reasoning step: the chain with its first operation carried out. A step
+only needs the line above it (two leading numbers and the rest copied), which a tiny model
+learns reliably, while answering directly means composing every operation at once. A rule
+grades each step (`check_steps`), so the same task serves outcome supervision (final
+answer) and process supervision (step grades).
 A fixed hash of the question decides the held-out split, so held-out questions are
 never trained on, whatever the seed.
 """
@@ -18,19 +21,19 @@ from dataclasses import dataclass
 
 ALPHABET = "0123456789+-=:QA \n"
 _ANSWER = re.compile(r"^A: (-?\d+)\s*$", re.MULTILINE)
-_STEP = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
-_TERM = re.compile(r"([+-])(\d+)")
+_CHAIN = re.compile(r"^(-?\d+)(?:[+-]\d+)+$")  # a number followed by one or more +n / -n
+_HEAD = re.compile(r"^(-?\d+)([+-])(\d+)")
 
 
 @dataclass(frozen=True)
 class ChainTask:
     """Shape of the problems: how many operations and how large the numbers get."""
 
-    min_ops: int = 2
-    max_ops: int = 4
-    max_start: int = 30
+    min_ops: int = 3
+    max_ops: int = 5
+    max_start: int = 20
     max_operand: int = 9
-    max_value: int = 99
+    max_value: int = 20
     heldout_percent: int = 10
 
     def __post_init__(self) -> None:
@@ -48,17 +51,23 @@ def format_prompt(question: str) -> str:
     return f"Q: {question}\n"
 
 
+def reduce_once(chain: str) -> str:
+    """Carry out the first operation of a chain: "7+5-3+9" -> "12-3+9", "9+9" -> "18"."""
+    m = _HEAD.match(chain)
+    if m is None or not _CHAIN.match(chain):
+        raise ValueError(f"not a chain question: {chain!r}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return f"{a + b if op == '+' else a - b}{chain[m.end():]}"
+
+
 def solve(question: str) -> tuple[list[str], int]:
-    """The worked steps of a question and its answer, e.g. "7+5-3" -> (["7+5=12", "12-3=9"], 9)."""
-    start = re.match(r"\d+", question)
-    if start is None:
-        raise ValueError(f"not a chain question: {question!r}")
-    value, steps = int(start.group()), []
-    for op, num in _TERM.findall(question[start.end() :]):
-        new = value + int(num) if op == "+" else value - int(num)
-        steps.append(f"{value}{op}{num}={new}")
-        value = new
-    return steps, value
+    """The worked steps of a question and its answer: "7+5-3+9" -> (["12-3+9", "9+9"], 18).
+    Each step is the chain with one operation fewer; the answer line does the last one."""
+    steps, chain = [], reduce_once(question)
+    while not chain.lstrip("-").isdigit():
+        steps.append(chain)
+        chain = reduce_once(chain)
+    return steps, int(chain)
 
 
 def format_solution(question: str) -> str:
@@ -131,34 +140,36 @@ def extract_answer(completion: str) -> str | None:
 
 
 def check_steps(question: str, completion: str) -> list[bool]:
-    """Grade each step line: right operands from the question, right arithmetic.
+    """Grade each step line before the answer: it must be the line above it (the question,
+    for the first) with its first operation carried out correctly and the rest copied.
 
-    Returns one bool per line before the answer line, for process supervision.
+    Returns one bool per line before the answer line, for process supervision. A step is
+    judged against the line above it as written, so one slip is one wrong step.
     """
-    expected, _ = solve(question)
     grades = []
-    lines = [ln for ln in completion.split("\n") if ln and not ln.startswith("A:")]
-    for j, line in enumerate(lines):
-        m = _STEP.match(line.strip())
-        ok = m is not None and j < len(expected)
-        if ok:
-            a, op, b, c = m.groups()
-            want_a, want_op, want_b = re.match(r"(-?\d+)([+-])(\d+)=", expected[j]).groups()
-            result = int(a) + int(b) if op == "+" else int(a) - int(b)
-            ok = (op, b) == (want_op, want_b) and int(c) == result and (j > 0 or a == want_a)
-            ok = ok and (j == 0 or int(a) == _result(lines[j - 1]))
+    previous = question
+    for line in (ln.strip() for ln in completion.split("\n")):
+        if not line or line.startswith("A:"):
+            if line.startswith("A:"):
+                break
+            continue
+        try:
+            ok = line == reduce_once(previous)
+        except ValueError:  # the line above is not a chain: nothing this step could reduce
+            ok = False
         grades.append(ok)
+        previous = line
     return grades
 
 
 def shows_steps(completion: str) -> bool:
     """True when the completion works through at least one step line before answering."""
-    return any(_STEP.match(line.strip()) for line in completion.split("\n"))
-
-
-def _result(line: str) -> int | None:
-    m = _STEP.match(line.strip())
-    return int(m.group(4)) if m else None
+    for line in completion.split("\n"):
+        if line.startswith("A:"):
+            return False
+        if _CHAIN.match(line.strip()):
+            return True
+    return False
 
 
 def chain_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:

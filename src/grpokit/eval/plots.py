@@ -29,7 +29,7 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
     steps = [m["step"] for m in metrics]
     window = max(1, len(steps) // 20)
     panels = [
-        ("reward/mean", "train reward (T=1 samples)", "tab:blue"),
+        ("reward/mean", "train reward (sampled rollouts)", "tab:blue"),
         ("completion/mean_length", "completion tokens", "tab:purple"),
         ("kl", "KL to reference (k3)", "tab:red"),
     ]
