@@ -7,7 +7,7 @@ runs cannot share one), with the same seed, model, prompts, G and lengths. Repor
   step time       median over the measured steps, split into generation, scoring,
                   reference/old log-probs (and critic values), and the update
 The model is a randomly initialised Llama sized so that model state, not the interpreter,
-dominates memory (about 65M parameters by default).
+dominates memory (about 85M parameters by default).
 """
 
 from __future__ import annotations
@@ -160,10 +160,10 @@ def format_table(results: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden-size", type=int, default=640)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--heads", type=int, default=10)
-    parser.add_argument("--intermediate-size", type=int, default=2560)
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--intermediate-size", type=int, default=3072)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="G, completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
