@@ -28,14 +28,14 @@ def reasoning_rate(result) -> float:
     return len(shown) / max(1, len(result.greedy_completions))
 
 
-def format_table(before, after) -> str:
-    k = before.k
+def format_table(before, after, algo: str = "grpo") -> str:
+    k, name = before.k, algo.upper()
     rows = [("greedy accuracy", before.greedy_accuracy, after.greedy_accuracy),
             (f"pass@{k}", before.pass_at_k, after.pass_at_k),
             (f"maj@{k}", before.maj_at_k, after.maj_at_k),
             ("shows its steps", reasoning_rate(before), reasoning_rate(after))]
     lines = [f"held-out questions: {before.num_questions}",
-             f"{'metric':<16} {'SFT':>7} {'GRPO':>7} {'change':>8}"]
+             f"{'metric':<16} {'SFT':>7} {name:>7} {'change':>8}"]
     lines += [f"{name:<16} {b:>7.1%} {a:>7.1%} {100 * (a - b):>+7.1f}pt" for name, b, a in rows]
     return "\n".join(lines)
 
@@ -74,12 +74,14 @@ def _run_demo(config: Config, progress: bool) -> dict:
         return {"interrupted": True, "checkpoint": str(trainer.checkpoints.latest())}
 
     after = evaluate_chain(policy, tokenizer, heldout, config)
-    table = format_table(before, after)
+    table = format_table(before, after, config.algo)
     print(table)
-    plot_reward_curve(history, run_dir / "reward_curve.png", title=f"grpokit demo (seed {config.seed})",
+    plot_reward_curve(history, run_dir / "reward_curve.png",
+                      title=f"grpokit demo ({config.algo.upper()}, seed {config.seed})",
                       baseline=before.greedy_accuracy, final=after.greedy_accuracy)
     summary = {
         "seed": config.seed,
+        "algo": config.algo,
         "sft_accuracy": before.greedy_accuracy,
         "grpo_accuracy": after.greedy_accuracy,
         "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),

@@ -7,7 +7,7 @@ runs cannot share one), with the same seed, model, prompts, G and lengths. Repor
   step time       median over the measured steps, split into generation, scoring,
                   reference/old log-probs (and critic values), and the update
 The model is a randomly initialised Llama sized so that model state, not the interpreter,
-dominates memory (about 85M parameters by default).
+dominates memory (about 113M parameters by default).
 """
 
 from __future__ import annotations

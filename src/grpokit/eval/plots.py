@@ -44,7 +44,7 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
     if baseline is not None:
         reward_ax.axhline(baseline, color="tab:gray", ls="--", label=f"held-out greedy accuracy, SFT: {baseline:.1%}")
     if final is not None:
-        reward_ax.axhline(final, color="tab:green", ls="--", label=f"held-out greedy accuracy, GRPO: {final:.1%}")
+        reward_ax.axhline(final, color="tab:green", ls="--", label=f"held-out greedy accuracy, after RL: {final:.1%}")
     reward_ax.set_ylim(-0.02, 1.02)
     for ax in axes:
         ax.legend(loc="lower right", fontsize=7)
