@@ -70,3 +70,12 @@ def test_config_keys_take_their_value_after_a_space():
     argv = ["sft", "--output_dir", "runs/x", "--quiet", "--grpo.beta", "0.1", "cfg.yaml", "--seed", "2"]
     assert join_override_values(argv) == ["sft", "--output_dir=runs/x", "--quiet", "--grpo.beta=0.1", "cfg.yaml",
                                           "--seed", "2"]
+
+
+@pytest.mark.slow
+def test_ppo_demo_improves_over_the_sft_model(tmp_path):
+    """The PPO baseline is a real baseline: on the demo task it, too, beats pi_SFT clearly."""
+    grpokit("demo", "--algo=ppo", "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=1500)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["algo"] == "ppo"
+    assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.10, summary
