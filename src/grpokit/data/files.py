@@ -26,8 +26,11 @@ class LoadedRows:
         return len(self.skipped)
 
 
-def _read_records(path: Path, skip_malformed: bool) -> tuple[list[tuple[str, object]], list[str]]:
+def read_file_records(path: str | Path, skip_malformed: bool) -> tuple[list[tuple[str, object]], list[str]]:
     """[(location, record)], [skipped]: location is 'file:line' (JSONL) or 'file[row i]'."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist")
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".ndjson"):
         records, skipped = [], []
@@ -75,10 +78,7 @@ def load_prompt_rows(
     Malformed lines, rows that are not objects, missing columns and empty prompts raise
     DatasetError naming the location, or, with skip_malformed, are skipped and listed.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
-    records, skipped = _read_records(path, skip_malformed)
+    records, skipped = read_file_records(path, skip_malformed)
     return check_records(records, skipped, str(path), prompt_column, answer_column, skip_malformed)
 
 

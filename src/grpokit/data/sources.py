@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 
-from grpokit.data.files import DatasetError, LoadedRows, check_records, read_hub_dataset, _read_records
+from grpokit.data.files import DatasetError, LoadedRows, check_records, read_file_records, read_hub_dataset
 from grpokit.data.templates import render_prompt
 
 FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"), "plain": ("prompt", "answer")}
@@ -31,16 +31,11 @@ def detect_format(record: dict) -> str:
 
 def load_source(source, skip_malformed: bool = False) -> tuple[LoadedRows, str]:
     """(rows with the raw columns checked, resolved format) of one DataSource config."""
-    from pathlib import Path
-
     if bool(source.path) == bool(source.name):
         raise DatasetError("each data source needs exactly one of path (a local file) or name (a datasets name)")
     if source.path:
-        path = Path(source.path)
-        if not path.is_file():
-            raise DatasetError(f"dataset file {str(path)!r} does not exist")
-        records, skipped = _read_records(path, skip_malformed)
-        where = str(path)
+        records, skipped = read_file_records(source.path, skip_malformed)
+        where = source.path
     else:
         records, skipped, where = read_hub_dataset(source.name, source.subset, source.split), [], source.name
     if source.max_rows > 0:

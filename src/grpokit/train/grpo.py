@@ -203,13 +203,14 @@ class GRPOTrainer:
         return result
 
     @torch.no_grad()
-    def _fixed_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Reference log-probs once per batch; pi_old log-probs only when samples are reused."""
+    def _fixed_logprobs(self, rollout: Rollout, need_old: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reference log-probs once per batch; pi_old log-probs only when samples are reused (or
+        `need_old`, as PPO's reward needs them)."""
         cfg = self.config
         args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, cfg.temperature, cfg.micro_batch_size)
         ref_logp = token_logprobs(self.ref_model, *args)[0] if cfg.beta > 0 else None
         # With one update on one minibatch, pi_old = pi_theta exactly: use logp.detach() instead.
-        reuse = cfg.num_iterations > 1 or cfg.num_minibatches > 1
+        reuse = need_old or cfg.num_iterations > 1 or cfg.num_minibatches > 1
         old_logp = token_logprobs(self.model, *args)[0] if reuse else None
         return ref_logp, old_logp
 
@@ -302,7 +303,7 @@ class GRPOTrainer:
         self.global_step = int(state["global_step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.rng.setstate(train_state._as_tuple(state["sampler"]["rng"]))
+        self.rng.setstate(train_state.as_tuple(state["sampler"]["rng"]))
         self._order = state["sampler"]["order"].tolist()
         self._failed_streak.update(state["failed_streak"])
         self._nonfinite_streak = int(state["nonfinite_streak"])

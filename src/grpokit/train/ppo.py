@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from grpokit.config import GRPOConfig, PPOConfig
-from grpokit.math import gae_advantages, value_loss
+from grpokit.math import gae_advantages, kl_k3, value_loss
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import RewardResult
-from grpokit.rollout import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
@@ -74,12 +73,10 @@ class PPOTrainer(GRPOTrainer):
     def learn(self, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor, timings: dict) -> dict:
         cfg, ppo = self.config, self.ppo
         t = time.perf_counter()
+        ref_logp, old_logp = self._fixed_logprobs(rollout, need_old=True)
         with torch.no_grad():
-            args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length)
-            old_logp = token_logprobs(self.model, *args, cfg.temperature, cfg.micro_batch_size)[0]
-            ref_logp = token_logprobs(self.ref_model, *args, cfg.temperature, cfg.micro_batch_size)[0] \
-                if cfg.beta > 0 else None
-            old_values = token_values(self.critic, *args, cfg.micro_batch_size)
+            old_values = token_values(self.critic, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                      cfg.micro_batch_size)
         timings["perf/logprob_time_s"] = time.perf_counter() - t
 
         scores = torch.where(result.valid, result.total, torch.zeros_like(result.total)).float()
@@ -93,8 +90,6 @@ class PPOTrainer(GRPOTrainer):
         stats.update(self._update_critic(rollout, old_values, returns, loss_mask))
         timings["perf/update_time_s"] = time.perf_counter() - t
         if ref_logp is not None:  # report the same KL estimate GRPO reports, for comparison
-            from grpokit.math import kl_k3
-
             m = loss_mask.float()
             stats["kl"] = float((kl_k3(old_logp, ref_logp) * m).sum() / m.sum().clamp(min=1))
         stats["value/explained_variance"] = explained_variance(old_values, returns, loss_mask)

@@ -26,7 +26,7 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
-    random.setstate(_as_tuple(state["python"]))
+    random.setstate(as_tuple(state["python"]))
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
@@ -35,9 +35,9 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _as_tuple(value):
+def as_tuple(value):
     """random.setstate needs tuples all the way down; serialisers may hand back lists."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+    return tuple(as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def save_state(state: dict, path: str | Path) -> None:
