@@ -27,7 +27,7 @@ def run_sft(config: Config, progress: bool = True) -> Path:
         model, tokenizer = load_policy(config)
         if config.data.sft_sources:
             rows = build_rows(config.data.sft_sources, config.data, tokenizer, sft=True)
-            rows, _ = _limit_prompts(rows, config, tokenizer)
+            rows = _limit_prompts(rows, config, tokenizer)
             pairs = [(r["prompt"], r["completion"]) for r in rows]
         else:
             pairs = [(r["prompt"], r["solution"]) for r in task_splits(config)[0]]
@@ -52,13 +52,14 @@ def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
         print("grpokit: --force: resuming with changed keys:\n  " + "\n  ".join(differences), file=sys.stderr)
 
 
-def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> tuple[list[dict], int]:
+def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
+    """Apply data.max_prompt_length, saying how many prompts it touched."""
     d = config.data
     rows, long = filter_long_prompts(rows, tokenizer, d.max_prompt_length, d.long_prompts, "data.sources")
     if long:
         done = "skipped" if d.long_prompts == "skip" else "truncated to their last tokens"
         print(f"grpokit: {long} prompts over {d.max_prompt_length} tokens were {done}", file=sys.stderr)
-    return rows, long
+    return rows
 
 
 def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
@@ -66,7 +67,7 @@ def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
     if not config.data.sources:
         _, rows, heldout = task_splits(config)
         return rows, heldout
-    rows, _ = _limit_prompts(build_rows(config.data.sources, config.data, tokenizer), config, tokenizer)
+    rows = _limit_prompts(build_rows(config.data.sources, config.data, tokenizer), config, tokenizer)
     return rows, None
 
 

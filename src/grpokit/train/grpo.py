@@ -116,7 +116,7 @@ class GRPOTrainer:
                           f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume", file=sys.stderr)
                     break
         bar.close()
-        if saved_at is None or (not self.interrupted and saved_at.name != f"step-{self.global_step}"):
+        if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
             self.save_checkpoint()
         return history
 
