@@ -21,6 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", help="run directory (default runs/demo)")
     demo.add_argument("--seed", type=int, help="seed (default 0)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--reward", choices=["rule", "model"],
+                      help="rule: the verifier (default); model: a reward model trained on pi_SFT's graded samples")
+    demo.add_argument("--supervision", choices=["outcome", "process"],
+                      help="outcome (default), or process: a process reward model scores each step (eq. 6)")
+    demo.add_argument("--iterative", type=int, metavar="K",
+                      help="iterative GRPO with K iterations, refreshing the reward model (implies --reward model)")
     for name, text in (("train", "GRPO from model.name_or_path on data.sources (default: the built-in task)"),
                        ("sft", "SFT model.name_or_path on data.sft_sources (default: the built-in task's demos)")):
         p = sub.add_parser(name, help=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,10 +36,20 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                            help="continue exactly from the latest intact checkpoint of output_dir, or from PATH")
             p.add_argument("--force", action="store_true", help="resume even if the config changed")
+    rm = sub.add_parser("train-rm", help="train an outcome (Bradley-Terry) or, with --process, a process reward model",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rm.add_argument("config", nargs="?", help="YAML config (model.name_or_path initialises the reward model)")
+    rm.add_argument("--process", action="store_true", help="a process reward model: one score per step")
+    rm.add_argument("--data", default="", metavar="FILE",
+                    help="JSONL/JSON/Parquet of (prompt, chosen, rejected) pairs, or (prompt, completion, correct) "
+                         "graded samples; with --process, (prompt, completion|steps, labels). Default: the "
+                         "policy's own samples on the built-in task, graded by rule")
+    rm.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
-OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h", "--resume", "--force"}
+OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h", "--resume", "--force", "--reward",
+               "--supervision", "--iterative", "--process", "--data", "--init"}
 
 
 def join_override_values(argv: list[str]) -> list[str]:
@@ -49,6 +65,21 @@ def join_override_values(argv: list[str]) -> list[str]:
         else:
             out.append(item)
             i += 1
+    return out
+
+
+def demo_variant_overrides(args) -> list[str]:
+    """`--reward model`, `--supervision process`, `--iterative K` as config overrides. A reward
+    model replaces the rule-based reward, so the run shows what the learned reward alone teaches."""
+    process = getattr(args, "supervision", None) == "process" or getattr(args, "process", False)
+    model = getattr(args, "reward", None) == "model" or getattr(args, "iterative", None) or process
+    out = []
+    if model:
+        out.append(f"--reward_model.kind={'process' if process else 'outcome'}")
+    if args.command == "demo" and model:
+        out.append("--rewards=[]")
+    if getattr(args, "iterative", None) is not None:
+        out.append(f"--iterative.iterations={args.iterative}")
     return out
 
 
@@ -85,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"--output_dir={args.output_dir}")
     if getattr(args, "seed", None) is not None:
         overrides.append(f"--seed={args.seed}")
+    overrides += demo_variant_overrides(args)
     try:
         config = load_config(args.config, overrides)  # fails here, before any model loads
     except ConfigError as err:
@@ -118,6 +150,10 @@ def _run(args, config) -> int:
         from grpokit.demo import run_demo
 
         run_demo(config, progress=not args.quiet)
+    elif args.command == "train-rm":
+        from grpokit.pipeline import run_train_rm
+
+        run_train_rm(config, progress=not args.quiet, data=args.data)
     elif args.command == "train":
         from grpokit.pipeline import run_train
 

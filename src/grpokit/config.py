@@ -109,6 +109,8 @@ class SFTConfig:
     warmup_steps: int = opt(30, "linear warm-up steps")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
+    checkpoint: str = opt("", "demo: start RL from this saved pi_SFT instead of training one (compare variants "
+                              "on one pi_SFT)")
 
 
 @dataclass
@@ -161,6 +163,34 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    kind: Literal["none", "outcome", "process"] = opt(
+        "none", "learned reward: none, outcome (a scalar per completion; outcome supervision) or process "
+                "(a score per step; process supervision, SPEC eq. 6)")
+    path: str = opt("", "trained reward model (from grpokit train-rm); the demo trains one when empty")
+    weight: float = opt(1.0, "weight of an outcome reward model's score beside the rule-based rewards")
+    step_delimiter: str = opt("\n", "what ends a reasoning step for a process reward model (e.g. \\n\\n, or a tag)")
+    device: str = opt("auto", "where the reward model runs: auto, cpu, cuda or cuda:N (may differ from the policy)")
+    batch_size: int = opt(64, "completions per reward-model forward pass when scoring")
+    learning_rate: float = opt(2e-4, "AdamW learning rate of reward-model training (the paper: 2e-5 at 7B)")
+    max_steps: int = opt(400, "optimizer steps of each reward-model training run")
+    train_batch_size: int = opt(32, "pairs (outcome) or completions (process) per training step")
+    warmup_steps: int = opt(20, "linear warm-up steps of reward-model training")
+    heldout_fraction: float = opt(0.1, "share of questions kept out of training to measure accuracy")
+    num_questions: int = opt(1000, "questions whose policy samples become reward-model training data")
+    samples_per_question: int = opt(8, "policy samples per question, graded by the verifier")
+    sample_temperature: float = opt(1.0, "sampling temperature for reward-model data (diversity gives negatives)")
+    max_pairs_per_prompt: int = opt(8, "outcome: at most this many (correct, incorrect) pairs per question")
+    replay_fraction: float = opt(0.1, "iterative GRPO: share of historical data kept in the replay buffer")
+
+
+@dataclass
+class IterativeConfig:
+    iterations: int = opt(1, "iterative GRPO (Algorithm 1): GRPO, then retrain the reward model on fresh policy "
+                             "samples with replay, then pi_ref <- pi_theta; grpo.max_steps is split over them")
+
+
+@dataclass
 class EvalConfig:
     k: int = opt(8, "samples per question for pass@k and maj@k")
     temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
@@ -179,7 +209,10 @@ class Config:
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning that produces pi_SFT")
     grpo: GRPOConfig = opt(GRPOConfig, "the GRPO stage")
     ppo: PPOConfig = opt(PPOConfig, "PPO-only settings, used when algo=ppo")
-    rewards: list[RewardConfig] = opt([RewardConfig()], "reward functions and their weights")
+    rewards: list[RewardConfig] = opt([RewardConfig()], "rule-based reward functions and their weights "
+                                                          "(may be [] when a reward model gives the reward)")
+    reward_model: RewardModelConfig = opt(RewardModelConfig, "a learned outcome or process reward model")
+    iterative: IterativeConfig = opt(IterativeConfig, "iterative GRPO: refresh the reward model between iterations")
     eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
 
 
@@ -352,7 +385,18 @@ def validate(config: Config) -> None:
         (g.max_nonfinite_steps >= 1, f"grpo.max_nonfinite_steps must be >= 1, got {g.max_nonfinite_steps}"),
         (g.save_steps >= 0, f"grpo.save_steps must be >= 0, got {g.save_steps}"),
         (g.save_total_limit >= 0, f"grpo.save_total_limit must be >= 0, got {g.save_total_limit}"),
-        (bool(config.rewards), "rewards must name at least one reward function"),
+        (bool(config.rewards) or config.reward_model.kind != "none",
+         "rewards must name at least one reward function, or reward_model.kind must name a reward model"),
+        (config.reward_model.kind != "process" or config.algo == "grpo",
+         "process supervision (reward_model.kind=process) needs algo=grpo: PPO's critic takes one scalar reward"),
+        (config.reward_model.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
+        (0 <= config.reward_model.replay_fraction <= 1, "reward_model.replay_fraction must lie in [0, 1]"),
+        (0 < config.reward_model.heldout_fraction < 1, "reward_model.heldout_fraction must lie in (0, 1)"),
+        (config.iterative.iterations >= 1, f"iterative.iterations must be >= 1, got {config.iterative.iterations}"),
+        (config.iterative.iterations == 1 or config.reward_model.kind != "none",
+         "iterative.iterations > 1 refreshes a reward model: set reward_model.kind to outcome or process"),
+        (config.grpo.max_steps >= config.iterative.iterations,
+         "grpo.max_steps must be at least iterative.iterations (the steps are split over the iterations)"),
         (all(r.timeout_s is None or r.timeout_s > 0 for r in config.rewards), "rewards[].timeout_s must be > 0 or null"),
         (config.data.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {config.data.max_prompt_length}"),
         (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
@@ -390,7 +434,7 @@ def describe(cls=Config) -> str:
 RESUME_SAFE_KEYS = (
     "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
     "grpo.generation_batch_size", "grpo.max_failed_steps", "grpo.max_nonfinite_steps", "model.device",
-    "model.attn_implementation", "eval.",
+    "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size",
 )
 
 

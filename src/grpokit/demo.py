@@ -3,6 +3,10 @@
 tiny Llama + char tokenizer -> SFT on worked chain-arithmetic solutions (pi_SFT)
 -> held-out eval -> GRPO with the rule-based verifier -> held-out eval -> table + plot.
 
+With reward_model.kind = outcome or process, a reward model is first trained on pi_SFT's own
+samples graded by rule (correct vs incorrect answers; which step first goes wrong), and GRPO
+takes its rewards from it; iterative.iterations > 1 refreshes it between iterations.
+
 The GRPO stage reloads pi_SFT from its saved checkpoint through the same loader a hub
 model uses, and trains with the same GRPOTrainer: there is no demo-only code path.
 """
@@ -11,14 +15,24 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from grpokit.checkpoint import save_checkpoint
-from grpokit.config import Config
+from grpokit.config import Config, ConfigError
 from grpokit.data import arithmetic
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
-from grpokit.stages import evaluate_chain, load_policy, make_trainer, seed_everything, start_run, task_splits
+from grpokit.stages import (
+    evaluate_chain,
+    load_policy,
+    make_trainer,
+    reward_model_stage,
+    seed_everything,
+    start_run,
+    task_splits,
+)
+from grpokit.train.iterative import run_iterations
 from grpokit.train.sft import sft_train
 
 
@@ -40,6 +54,20 @@ def format_table(before, after, algo: str = "grpo") -> str:
     return "\n".join(lines)
 
 
+def _rm_headline(metrics: dict) -> str:
+    if "pairwise_accuracy" in metrics:
+        return f"pairwise accuracy {metrics['pairwise_accuracy']:.1%} on {metrics['pairs']} pairs"
+    return (f"step accuracy {metrics['step_accuracy']:.1%} on {metrics['steps']} steps "
+            f"(right steps {metrics['step_accuracy_on_right_steps']:.1%}, "
+            f"wrong steps {metrics['step_accuracy_on_wrong_steps']:.1%})")
+
+
+def _refreshes(run_dir) -> list[dict]:
+    path = run_dir / "reward_model_metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r for r in rows if r.get("round", 0) > 0]
+
+
 def run_demo(config: Config, progress: bool = True) -> dict:
     """Run the whole pipeline; returns (and writes) summary.json."""
     with RunLock(config.output_dir):
@@ -54,9 +82,16 @@ def _run_demo(config: Config, progress: bool) -> dict:
     model, tokenizer = load_policy(config)
     print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(sft_rows)} SFT demonstrations, {len(rl_rows)} RL questions, {len(heldout)} held-out questions")
-    sft_losses = sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows], config.sft,
-                           seed=config.seed, progress=progress)
-    sft_dir = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
+    if config.sft.checkpoint:  # a pi_SFT saved by an earlier run
+        sft_losses, sft_dir = [float("nan")], Path(config.sft.checkpoint)
+        if not (sft_dir / "config.json").is_file():
+            raise ConfigError(f"sft.checkpoint {str(sft_dir)!r} is not a saved model (no config.json there); "
+                              "point it at a run's checkpoints/sft directory")
+        print(f"pi_SFT from {sft_dir} (sft.checkpoint); no SFT in this run")
+    else:
+        sft_losses = sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows], config.sft,
+                               seed=config.seed, progress=progress)
+        sft_dir = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
     sft_seconds = time.perf_counter() - started
 
     # pi_SFT enters RL through the same loader a hub checkpoint would.
@@ -64,10 +99,22 @@ def _run_demo(config: Config, progress: bool) -> dict:
     before = evaluate_chain(policy, tokenizer, heldout, config)
     print(f"SFT  held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
 
+    stage, rm_metrics = None, None
+    if config.reward_model.kind != "none":
+        seed_everything(config.seed)  # the reward model's data does not depend on how pi_SFT was obtained
+        for stale in ("reward_model_metrics.jsonl", "replay_buffer.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+        stage = reward_model_stage(config, policy, tokenizer, rl_rows, run_dir, progress)
+        if not config.reward_model.path:  # learn it from pi_SFT's own samples, graded by rule
+            rm_metrics = stage.train_round(policy, 0)
+            stage.save(run_dir / "reward_model", rm_metrics)
+            print(f"{config.reward_model.kind} reward model, held-out: {_rm_headline(rm_metrics)}")
+
     seed_everything(config.seed)
-    trainer = make_trainer(config, policy, tokenizer, rl_rows, run_dir, progress)
+    trainer = make_trainer(config, policy, tokenizer, rl_rows, run_dir, progress,
+                           reward_scorer=stage.scorer if stage else None)
     grpo_started = time.perf_counter()
-    history = trainer.train()
+    history = run_iterations(trainer, stage, config.iterative.iterations)
     grpo_seconds = time.perf_counter() - grpo_started
     if trainer.interrupted:
         print("demo stopped before its final evaluation; the GRPO checkpoint above is loadable with from_pretrained")
@@ -82,6 +129,11 @@ def _run_demo(config: Config, progress: bool) -> dict:
     summary = {
         "seed": config.seed,
         "algo": config.algo,
+        "reward": "rule" if config.reward_model.kind == "none" else "model",
+        "supervision": "process" if config.reward_model.kind == "process" else "outcome",
+        "iterations": config.iterative.iterations,
+        "reward_model": rm_metrics,
+        "reward_model_refreshes": _refreshes(run_dir),
         "sft_accuracy": before.greedy_accuracy,
         "grpo_accuracy": after.greedy_accuracy,
         "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),

@@ -1,7 +1,9 @@
-"""`grpokit sft` and `grpokit train`: the demo's stages one at a time, on any checkpoint."""
+"""`grpokit sft`, `grpokit train-rm` and `grpokit train`: the demo's stages one at a time, on any checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
 from grpokit.stages import evaluate_chain, load_policy, make_trainer, start_run, task_splits
 from grpokit.train.grpo import frozen_copy
+from grpokit.train.iterative import latest_iteration, run_iterations
 from grpokit.train.sft import sft_train
 
 
@@ -71,13 +74,43 @@ def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
     return rows, None
 
 
+def _reward_model_for_run(config: Config, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
+                          boundary: Path | None):
+    """The run's reward model: from an iteration boundary (with its replay buffer), from the one
+    this run trained before (on resume), from reward_model.path, or trained now on the policy's
+    graded samples and saved as run_dir/reward_model."""
+    from grpokit.stages import reward_model_stage
+
+    if config.reward_model.kind == "none":
+        return None
+    own = run_dir / "reward_model"
+    if boundary is not None:
+        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(boundary / "reward_model"))
+        shutil.copyfile(boundary / "replay_buffer.jsonl", stage.buffer.path)
+        stage.buffer.load()
+        return stage
+    if checkpoint is not None and not config.reward_model.path and (own / "config.json").is_file():
+        return reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(own))
+    stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)
+    if not config.reward_model.path:
+        for stale in ("reward_model_metrics.jsonl", "replay_buffer.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+        metrics = stage.train_round(policy, 0)
+        stage.save(own, metrics)
+    return stage
+
+
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False) -> Path:
     """GRPO from model.name_or_path; with `resume`, continue exactly from the latest intact
     checkpoint of output_dir (or from the path given)."""
     check_sources(config.data.sources, config.data.skip_malformed_lines)  # file errors before any model loads
     with RunLock(config.output_dir):
         checkpoint = None
-        if resume:
+        boundary = latest_iteration(config.output_dir) if resume and config.iterative.iterations > 1 else None
+        if boundary is not None:  # iterative GRPO resumes at its last complete iteration boundary
+            checkpoint = boundary / "policy"
+            check_resume_config(checkpoint, config, force)
+        elif resume:
             checkpoint = find_resume_checkpoint(config.output_dir, None if resume is True else resume)
             check_resume_config(checkpoint, config, force)
         run_dir = start_run(config)
@@ -90,11 +123,14 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             model, _ = load_model_and_tokenizer(str(checkpoint), m.dtype, m.device, m.attn_implementation,
                                                 m.trust_remote_code)
             ref_model = frozen_copy(initial) if config.grpo.beta > 0 else None
-        trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model)
+        stage = _reward_model_for_run(config, model, tokenizer, rows, run_dir, progress, checkpoint, boundary)
+        trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
+                               reward_scorer=stage.scorer if stage else None)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
-        history = trainer.train()
+        start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
+        history = run_iterations(trainer, stage, config.iterative.iterations, start=start)
         final = trainer.checkpoints.latest()
         if trainer.interrupted:
             return final
@@ -104,3 +140,56 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             print(f"held-out greedy accuracy {result.greedy_accuracy:.1%}, pass@{result.k} {result.pass_at_k:.1%}")
     print(f"final checkpoint {final}")
     return final
+
+
+def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int) -> list:
+    """Training examples from a file: preference pairs (prompt, chosen, rejected), graded samples
+    (prompt, completion, correct) made into pairs, or step-labelled samples for a process RM."""
+    from grpokit.data.files import read_file_records
+    from grpokit.data.reward_data import (
+        pairs_from_graded,
+        read_graded_samples,
+        read_preference_pairs,
+        read_step_labels,
+    )
+
+    if kind == "process":
+        return read_step_labels(path, delimiter, skip_malformed)
+    records, _ = read_file_records(path, skip_malformed=True)
+    first = records[0][1] if records and isinstance(records[0][1], dict) else {}
+    if "chosen" in first or "rejected" in first:
+        return read_preference_pairs(path, skip_malformed)
+    return pairs_from_graded(read_graded_samples(path, skip_malformed), seed=seed)
+
+
+def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
+    """Train an outcome (Bradley-Terry) or process (per-step BCE) reward model, initialised from
+    model.name_or_path (or a fresh tiny model), on `data` or on the policy's own graded samples.
+    Saves output_dir/reward_model in Hugging Face format with its held-out accuracy."""
+    import json
+
+    from grpokit.stages import reward_model_stage
+    from grpokit.train.reward_model import evaluate_reward_model, fit_reward_model, split_by_prompt
+
+    if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
+        config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
+    rm = config.reward_model
+    with RunLock(config.output_dir):
+        run_dir = start_run(config)
+        examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
+                                         config.seed) if data else None
+        policy, tokenizer = load_policy(config)
+        rows, _ = rl_rows(config, tokenizer) if not data else ([], None)
+        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)
+        if examples is None:
+            metrics = stage.train_round(policy, 0)
+        else:
+            train, heldout = split_by_prompt(examples, rm.heldout_fraction, config.seed)
+            losses = fit_reward_model(stage.scorer, train, rm, seed=config.seed, progress=progress)
+            metrics = {"round": 0, "new_examples": len(train), "heldout_examples": len(heldout),
+                       "final_loss": losses[-1], **evaluate_reward_model(stage.scorer, heldout)}
+        del policy
+        path = stage.save(run_dir / "reward_model", metrics)
+    print(json.dumps(metrics, indent=2))
+    print(f"saved {path} ({rm.kind} reward model)")
+    return path

@@ -162,6 +162,32 @@ def check_steps(question: str, completion: str) -> list[bool]:
     return grades
 
 
+def step_labels(question: str, steps: list[str], answer: str) -> list[bool]:
+    """Process labels for a completion split into steps (one line each): step j is right when
+    it and every step before it are right, so the first wrong step and all after it are
+    False (PRM800K's "first error" convention). A chain line must be the line above with its
+    first operation carried out; the answer line must state the reference `answer` (a direct
+    answer with no steps is right when the answer is); anything after the answer line is wrong.
+    """
+    labels, previous, still_right, answered = [], question, True, False
+    for step in steps:
+        line = step.strip()
+        if answered or not line:
+            ok = False
+        elif line.startswith("A:"):
+            ok = extract_answer(line) == str(answer).strip()
+            answered = True
+        else:
+            try:
+                ok = line == reduce_once(previous)
+            except ValueError:  # the line above is not a chain: nothing this step could reduce
+                ok = False
+            previous = line
+        still_right = still_right and ok
+        labels.append(still_right)
+    return labels
+
+
 def shows_steps(completion: str) -> bool:
     """True when the completion works through at least one step line before answering."""
     for line in completion.split("\n"):

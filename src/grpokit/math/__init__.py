@@ -6,14 +6,16 @@ from grpokit.math.advantages import (
     outcome_advantages,
     process_advantages,
 )
-from grpokit.math.losses import grpo_loss, kl_k3, value_loss
+from grpokit.math.losses import bradley_terry_loss, grpo_loss, kl_k3, step_bce_loss, value_loss
 
 __all__ = [
+    "bradley_terry_loss",
     "gae_advantages",
     "grpo_loss",
     "kl_k3",
     "masked_outcome_advantages",
     "outcome_advantages",
     "process_advantages",
+    "step_bce_loss",
     "value_loss",
 ]

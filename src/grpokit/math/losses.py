@@ -130,3 +130,22 @@ def value_loss(
         clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
         err = torch.maximum(err, (clipped - returns).pow(2))
     return 0.5 * _masked_mean(err, m)
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Outcome reward model loss (SPEC, reward sources): mean of -log sigma(r(q, chosen) - r(q, rejected)).
+
+    chosen, rejected: [N] scalar rewards of the two completions of each pair. logsigmoid keeps
+    it finite for large margins, where log(sigmoid(x)) would round to log(0).
+    """
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
+        raise ValueError(f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} must both be [N]")
+    return -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+
+
+def step_bce_loss(step_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Process reward model loss: binary cross-entropy of each step's logit (read at the step's
+    last token) against its 0/1 correctness label, averaged over all steps of the batch. [S], [S]."""
+    if step_logits.shape != labels.shape or step_logits.dim() != 1:
+        raise ValueError(f"step_logits {tuple(step_logits.shape)} and labels {tuple(labels.shape)} must both be [S]")
+    return torch.nn.functional.binary_cross_entropy_with_logits(step_logits, labels.to(step_logits.dtype))

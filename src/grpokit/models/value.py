@@ -10,30 +10,36 @@ from __future__ import annotations
 import torch
 
 
+def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Module:
+    """`auto_class` (AutoModelForTokenClassification or ...SequenceClassification) with one output,
+    the policy's backbone weights copied in and a zero `score` head, so it starts at exactly 0."""
+    device = next(policy.parameters()).device
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    config.num_labels = 1
+    config.problem_type = "regression"
+    config.classifier_dropout = 0.0  # scores must not be noisy; HF's default would be 0.1
+    model = auto_class.from_config(config).to(device=device, dtype=next(policy.parameters()).dtype)
+    missing, _ = model.load_state_dict(policy.state_dict(), strict=False)  # the LM head is not carried over
+    backbone_missing = [k for k in missing if not k.startswith("score.")]
+    if backbone_missing:
+        raise ValueError(f"cannot initialise a {model.__class__.__name__} from the policy: backbone weights "
+                         f"{backbone_missing[:3]} have no counterpart; initialise it from a checkpoint instead")
+    with torch.no_grad():
+        model.score.weight.zero_()
+        if getattr(model.score, "bias", None) is not None:
+            model.score.bias.zero_()
+    return model
+
+
 def build_critic(policy: torch.nn.Module, init_from: str = "") -> torch.nn.Module:
     """A value model the policy's size: from `init_from` (a checkpoint path) or the policy's backbone."""
     from transformers import AutoModelForTokenClassification
 
-    device = next(policy.parameters()).device
     if init_from:
         critic = AutoModelForTokenClassification.from_pretrained(init_from, num_labels=1, classifier_dropout=0.0,
                                                                  dtype=next(policy.parameters()).dtype)
-        return critic.to(device)
-    config = policy.config.__class__.from_dict(policy.config.to_dict())
-    config.num_labels = 1
-    config.problem_type = "regression"
-    config.classifier_dropout = 0.0  # values must not be noisy; HF's default would be 0.1
-    critic = AutoModelForTokenClassification.from_config(config).to(device=device, dtype=next(policy.parameters()).dtype)
-    missing, _ = critic.load_state_dict(policy.state_dict(), strict=False)  # the LM head is not carried over
-    backbone_missing = [k for k in missing if not k.startswith("score.")]
-    if backbone_missing:
-        raise ValueError(f"cannot initialise the critic from the policy: backbone weights {backbone_missing[:3]} "
-                         "have no counterpart; set ppo.critic_init to a value/reward model checkpoint")
-    with torch.no_grad():
-        critic.score.weight.zero_()
-        if getattr(critic.score, "bias", None) is not None:
-            critic.score.bias.zero_()
-    return critic
+        return critic.to(next(policy.parameters()).device)
+    return scalar_head_from_policy(policy, AutoModelForTokenClassification)
 
 
 def token_values(

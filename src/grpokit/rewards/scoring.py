@@ -59,6 +59,7 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]
     errors: dict[str, str]
     timeouts: dict[str, int] = field(default_factory=dict)  # samples lost to a timeout, per function
+    step_scores: list | None = None  # a process reward model's StepScores per sample, when one is used
 
     def function_means(self) -> dict[str, float]:
         """Mean of each function over the samples it scored (NaN if it scored none)."""

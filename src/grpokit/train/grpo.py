@@ -1,8 +1,8 @@
-"""The GRPO loop of SPEC.md (Algorithm 1), outcome supervision.
+"""The GRPO loop of SPEC.md (Algorithm 1), with outcome or process supervision.
 
 Each step: sample B prompts -> G completions each from pi_old -> rewards -> group-relative
-advantages (eq. 5) -> mu updates of the clipped objective with k3 KL to a frozen pi_ref
-(eq. 3-4). pi_old is theta at sampling time.
+advantages (eq. 5, or eq. 6 from a process reward model's step scores) -> mu updates of the
+clipped objective with k3 KL to a frozen pi_ref (eq. 3-4). pi_old is theta at sampling time.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 
 from grpokit.checkpoint import TRAINER_STATE, CheckpointManager
 from grpokit.config import GRPOConfig
-from grpokit.math import grpo_loss, masked_outcome_advantages
+from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantages
 from grpokit.metrics import MetricsWriter, truncate_metrics
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
+from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
@@ -51,6 +52,19 @@ def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: in
     return float(((spread <= 0) | (valid.view(-1, group_size).sum(1) < 2)).float().mean())
 
 
+def step_advantages(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor, step_scores: list,
+                    group_size: int) -> torch.Tensor:
+    """Process advantages (eq. 6) on the policy's sampled tokens: each StepScores' character step
+    ends are mapped onto completion_ids [N, T] (see policy_step_ends), then normalised over the
+    group's steps and summed over the steps at or after each token. Returns [N, T] float32."""
+    lengths = [int(n) for n in lengths]
+    ends = [policy_step_ends(tokenizer, completion_ids[i, :n].tolist(), s.char_ends) if n else []
+            for i, (n, s) in enumerate(zip(lengths, step_scores))]
+    rewards = [s.rewards if n else [] for n, s in zip(lengths, step_scores)]
+    token_adv = process_advantages(rewards, ends, lengths, group_size).float()
+    return torch.nn.functional.pad(token_adv, (0, completion_ids.shape[1] - token_adv.shape[1]))
+
+
 class GRPOTrainer:
     """Owns the policy, the frozen reference, the optimizer and the run directory."""
 
@@ -65,13 +79,17 @@ class GRPOTrainer:
         seed: int = 0,
         ref_model: torch.nn.Module | None = None,
         progress: bool = True,
+        process_reward: ProcessRewardModel | None = None,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
         missing = [i for i, row in enumerate(dataset[:1000]) if "prompt" not in row]
         if missing:
             raise ValueError(f"dataset rows {missing[:5]} have no 'prompt' field")
+        if not rewards and process_reward is None:
+            raise ValueError("GRPO needs a reward: rule-based functions under `rewards`, a reward model, or both")
         self.model, self.tokenizer, self.rewards = model, tokenizer, rewards
+        self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
         self.dataset, self.config, self.progress = dataset, config, progress
         self.run_dir = Path(run_dir)
         self.ref_model = ref_model if ref_model is not None else (frozen_copy(model) if config.beta > 0 else None)
@@ -93,17 +111,19 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self) -> list[dict]:
-        """Run to `max_steps`, one metrics.jsonl row a step; checkpoint every `save_steps` and
-        at the end. SIGINT/SIGTERM finish the step, save, and return with `interrupted` set."""
+    def train(self, until: int | None = None, extra_metrics: dict | None = None) -> list[dict]:
+        """Run to step `until` (default `max_steps`), one metrics.jsonl row a step (plus
+        `extra_metrics`, e.g. the iteration); checkpoint every `save_steps` and at the end.
+        SIGINT/SIGTERM finish the step, save, and return with `interrupted` set."""
         cfg = self.config
+        until = cfg.max_steps if until is None else until
         history = []
         saved_at = None
-        bar = tqdm(total=cfg.max_steps, initial=self.global_step, desc="grpo", disable=not self.progress,
+        bar = tqdm(total=until, initial=self.global_step, desc="grpo", disable=not self.progress,
                    dynamic_ncols=True)
         with GracefulStop("the current GRPO step") as stop, MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
-            while self.global_step < cfg.max_steps:
-                record = self.step()
+            while self.global_step < until:
+                record = {**(extra_metrics or {}), **self.step()}
                 history.append(record)
                 writer.write(record)
                 bar.update(1)
@@ -129,6 +149,11 @@ class GRPOTrainer:
 
         t = time.perf_counter()
         result = self._score(rollout)
+        if self.process_reward is not None:
+            result.step_scores = self.process_reward.score_steps(rollout.prompts, rollout.completions)
+            if not self.rewards:  # for the log and progress bar only: each completion's mean step score
+                result.total = torch.tensor([sum(s.rewards) / len(s.rewards) for s in result.step_scores],
+                                            dtype=torch.float64)
         timings["perf/scoring_time_s"] = time.perf_counter() - t
         loss_mask = rollout.completion_mask * result.valid.unsqueeze(1)
         if cfg.mask_truncated_completions:
@@ -155,6 +180,7 @@ class GRPOTrainer:
             **{f"rewards/{name}": mean for name, mean in result.function_means().items()},
             "rewards/failed": int((~result.valid).sum()),
             "rewards/timeouts": sum(result.timeouts.values()),
+            **self._process_metrics(result),
             **stats,
             "completion/mean_length": float(lengths.mean()),
             "completion/max_length": int(lengths.max()),
@@ -170,8 +196,7 @@ class GRPOTrainer:
         """GRPO's part of the step: group-relative advantages (eq. 5), then mu clipped updates with
         the k3 KL in the loss (eq. 3-4). Fills timings' logprob and update seconds."""
         cfg = self.config
-        advantages = masked_outcome_advantages(result.total.float(), result.valid, cfg.num_generations,
-                                               scale=cfg.scale_rewards)
+        advantages = self._advantages(rollout, result)
         t = time.perf_counter()
         ref_logp, old_logp = self._fixed_logprobs(rollout)
         timings["perf/logprob_time_s"] = time.perf_counter() - t
@@ -179,6 +204,36 @@ class GRPOTrainer:
         stats = self._update(rollout, advantages, loss_mask, ref_logp, old_logp)
         timings["perf/update_time_s"] = time.perf_counter() - t
         return stats
+
+    def _advantages(self, rollout: Rollout, result: RewardResult) -> torch.Tensor:
+        """[N] outcome advantages (eq. 5) of the summed rewards; with a process reward model,
+        [N, T] process advantages (eq. 6) of its step scores, plus the outcome advantages of
+        any rule-based rewards configured beside it."""
+        cfg = self.config
+        outcome = masked_outcome_advantages(result.total.float(), result.valid, cfg.num_generations,
+                                            scale=cfg.scale_rewards)
+        if self.process_reward is None:
+            return outcome
+        token_adv = step_advantages(self.tokenizer, rollout.completion_ids, rollout.completion_lengths,
+                                    result.step_scores, cfg.num_generations)
+        return token_adv + outcome.unsqueeze(1) if self.rewards else token_adv
+
+    @staticmethod
+    def _process_metrics(result: RewardResult) -> dict:
+        if result.step_scores is None:
+            return {}
+        steps = [len(s.rewards) for s in result.step_scores]
+        flat = [r for s in result.step_scores for r in s.rewards]
+        return {
+            "process/steps_mean": sum(steps) / max(1, len(steps)),
+            "process/step_reward_mean": sum(flat) / max(1, len(flat)),
+            "process/no_delimiter": sum(not s.has_delimiter for s in result.step_scores),
+        }
+
+    def reset_reference(self) -> None:
+        """pi_ref <- pi_theta, as iterative GRPO does at the start of each iteration (Algorithm 1)."""
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
 
     # ------------------------------------------------------------------ stages
 
@@ -189,6 +244,9 @@ class GRPOTrainer:
         return [self.dataset[i] for i in picked]
 
     def _score(self, rollout: Rollout) -> RewardResult:
+        if not self.rewards:  # process supervision alone: every sample is scored by the PRM
+            n = rollout.num_samples
+            return RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
         keys = [k for k in rollout.rows[0] if k != "prompt"] if rollout.rows else []
         columns = {k: [row.get(k) for row in rollout.rows] for k in keys}
         result = score_completions(self.rewards, rollout.prompts, rollout.completions, columns)

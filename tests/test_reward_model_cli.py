@@ -1,0 +1,135 @@
+"""Reward models through the command line, for real, on tiny budgets: the demo's variants
+(--reward model, --supervision process, --iterative K), grpokit train-rm on files and on the
+policy's own samples, GRPO with a reward model whose tokenizer differs, and iterative resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+from grpokit.rewards.learned import META_FILE
+
+TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
+        "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
+        "--num_eval_questions=8", "--eval.k=2", "--sft.max_steps=5", "--sft.warmup_steps=1",
+        "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16"]
+TINY_RM = ["--reward_model.num_questions=8", "--reward_model.samples_per_question=4", "--reward_model.max_steps=3",
+           "--reward_model.train_batch_size=4", "--reward_model.warmup_steps=1", "--reward_model.heldout_fraction=0.25"]
+
+
+def grpokit(*args, timeout=300, ok=True):
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    grpokit("sft", f"--output_dir={out}", "--quiet", *TINY)
+    return out / "checkpoints" / "sft"
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind"),
+    [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2"], "outcome")],
+    ids=["reward-model", "process", "iterative"],
+)
+def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
+    out = tmp_path / "run"
+    proc = grpokit("demo", "--output-dir", str(out), "--quiet", *flags, *TINY, *TINY_RM, "--grpo.max_steps=4",
+                   f"--sft.checkpoint={sft_checkpoint}")
+    assert f"{kind} reward model, held-out:" in proc.stdout and "greedy accuracy" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward"] == "model" and summary["supervision"] == kind
+    assert json.loads((out / "reward_model" / META_FILE).read_text())["kind"] == kind
+    auto = AutoModelForTokenClassification if kind == "process" else AutoModelForSequenceClassification
+    assert auto.from_pretrained(out / "reward_model").config.num_labels == 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    if kind == "process":
+        assert all("process/steps_mean" in r and "process/no_delimiter" in r for r in rows)
+    else:
+        assert all("rewards/reward_model" in r for r in rows) and "rewards/chain_accuracy" not in rows[0]
+    if "--iterative" in flags:
+        assert [r["iteration"] for r in rows] == [1, 1, 2, 2]
+        refreshes = summary["reward_model_refreshes"]
+        assert len(refreshes) == 1 and refreshes[0]["replay_examples"] > 0
+        assert (out / "iterations" / "iter-1" / "state.json").is_file()
+        assert (out / "replay_buffer.jsonl").is_file()
+
+
+def test_train_rm_on_a_preference_file_and_its_errors(tmp_path):
+    good = tmp_path / "pairs.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"Q: {i}+1\n", "chosen": f"A: {i + 1}", "rejected": f"A: {i + 2}"})
+                            + "\n" for i in range(12)))
+    out = tmp_path / "rm"
+    proc = grpokit("train-rm", "--data", str(good), f"--output_dir={out}", "--quiet", *TINY, *TINY_RM)
+    assert "pairwise_accuracy" in proc.stdout
+    assert AutoModelForSequenceClassification.from_pretrained(out / "reward_model").config.num_labels == 1
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Q", "chosen": "A: 1", "rejected": "A: 2"}) + "\n"
+                   + json.dumps({"prompt": "Q", "chosen": "A: 1", "rejected": "A: 1"}) + "\n")
+    proc = grpokit("train-rm", "--data", str(bad), f"--output_dir={tmp_path / 'bad'}", "--quiet", *TINY, ok=False)
+    assert proc.returncode == 1 and f"{bad}:2" in proc.stderr and "rejected" in proc.stderr
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"prompt": "Q", "chosen": "A: 1"}) + "\n")
+    proc = grpokit("train-rm", "--data", str(missing), f"--output_dir={tmp_path / 'm'}", "--quiet", *TINY, ok=False)
+    assert proc.returncode == 1 and f"{missing}:1" in proc.stderr and "rejected" in proc.stderr
+
+
+def test_train_rm_process_on_the_policys_own_samples(tmp_path, sft_checkpoint):
+    out = tmp_path / "prm"
+    proc = grpokit("train-rm", "--process", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={out}",
+                   "--quiet", *TINY, *TINY_RM)
+    assert "step_accuracy" in proc.stdout
+    assert json.loads((out / "reward_model" / META_FILE).read_text()) == {"kind": "process", "step_delimiter": "\n"}
+    data = [json.loads(line) for line in (out / "reward_model_data" / "round-0.jsonl").read_text().splitlines()]
+    assert data and all(len(r["steps"]) == len(r["labels"]) for r in data)
+
+
+def test_grpo_with_a_process_reward_model_of_another_tokenizer(tmp_path, sft_checkpoint):
+    """The PRM's tokenizer (printable ASCII) differs from the policy's (the task's alphabet):
+    completions are re-tokenized as text, and the run says so."""
+    rm_dir = tmp_path / "prm"
+    grpokit("train-rm", "--process", "--model.tiny.alphabet=ascii", f"--output_dir={rm_dir}", "--quiet", *TINY,
+            *TINY_RM)
+    out = tmp_path / "rl"
+    proc = grpokit("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={out}", "--quiet", *TINY,
+                   "--grpo.max_steps=2", "--reward_model.kind=process",
+                   f"--reward_model.path={rm_dir / 'reward_model'}", "--rewards=[]")
+    assert "tokenizer differs from the policy's" in proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["process/steps_mean"] >= 1 for r in rows)
+
+
+def test_iterative_training_resumes_at_an_iteration_boundary_exactly(tmp_path, sft_checkpoint):
+    common = ["train", f"--model.name_or_path={sft_checkpoint}", "--quiet", *TINY, *TINY_RM, "--grpo.max_steps=4",
+              "--reward_model.kind=outcome", "--iterative.iterations=2", "--grpo.save_steps=1"]
+    full = tmp_path / "full"
+    grpokit(*common, f"--output_dir={full}")
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    # As if the run died in iteration 2: only what iteration 1 wrote survives.
+    for name in ("step-3", "step-4", "latest"):
+        target = cut / "checkpoints" / name
+        target.unlink() if target.is_symlink() or target.is_file() else shutil.rmtree(target, ignore_errors=True)
+    proc = grpokit(*common, f"--output_dir={cut}", "--resume")
+    assert "iter-1" in proc.stderr and "at step 2" in proc.stderr
+    a = load_file(full / "checkpoints" / "step-4" / "model.safetensors")
+    b = load_file(cut / "checkpoints" / "step-4" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+    strip = lambda path: [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}  # noqa: E731
+                          for line in path.read_text().splitlines()]
+    assert strip(cut / "metrics.jsonl") == strip(full / "metrics.jsonl")
