@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from grpokit.rewards.learned import META_FILE
 
@@ -35,7 +38,9 @@ def grpokit(*args, timeout=300, ok=True):
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    grpokit("sft", f"--output_dir={out}", "--quiet", *TINY)
+    # Enough SFT that some sampled answers are right: outcome pairs need a right and a wrong one.
+    grpokit("sft", f"--output_dir={out}", "--quiet", *TINY, "--sft.max_steps=300", "--sft.warmup_steps=10",
+            "--num_sft_examples=512")
     return out / "checkpoints" / "sft"
 
 

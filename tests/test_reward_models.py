@@ -28,7 +28,12 @@ from grpokit.rewards.learned import (
 )
 from grpokit.stages import ASCII_ALPHABET
 from grpokit.train.grpo import step_advantages
-from grpokit.train.reward_model import ReplayBuffer, evaluate_reward_model, fit_reward_model, split_by_prompt
+from grpokit.train.reward_model import (
+    ReplayBuffer,
+    evaluate_reward_model,
+    fit_reward_model,
+    split_by_prompt,
+)
 
 
 def ascii_tokenizer():

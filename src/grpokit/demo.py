@@ -32,7 +32,7 @@ from grpokit.stages import (
     start_run,
     task_splits,
 )
-from grpokit.train.iterative import run_iterations
+from grpokit.train.iterative import rm_headline, run_iterations
 from grpokit.train.sft import sft_train
 
 
@@ -52,14 +52,6 @@ def format_table(before, after, algo: str = "grpo") -> str:
              f"{'metric':<16} {'SFT':>7} {name:>7} {'change':>8}"]
     lines += [f"{name:<16} {b:>7.1%} {a:>7.1%} {100 * (a - b):>+7.1f}pt" for name, b, a in rows]
     return "\n".join(lines)
-
-
-def _rm_headline(metrics: dict) -> str:
-    if "pairwise_accuracy" in metrics:
-        return f"pairwise accuracy {metrics['pairwise_accuracy']:.1%} on {metrics['pairs']} pairs"
-    return (f"step accuracy {metrics['step_accuracy']:.1%} on {metrics['steps']} steps "
-            f"(right steps {metrics['step_accuracy_on_right_steps']:.1%}, "
-            f"wrong steps {metrics['step_accuracy_on_wrong_steps']:.1%})")
 
 
 def _refreshes(run_dir) -> list[dict]:
@@ -108,7 +100,7 @@ def _run_demo(config: Config, progress: bool) -> dict:
         if not config.reward_model.path:  # learn it from pi_SFT's own samples, graded by rule
             rm_metrics = stage.train_round(policy, 0)
             stage.save(run_dir / "reward_model", rm_metrics)
-            print(f"{config.reward_model.kind} reward model, held-out: {_rm_headline(rm_metrics)}")
+            print(f"{config.reward_model.kind} reward model, held-out: {rm_headline(rm_metrics)}")
 
     seed_everything(config.seed)
     trainer = make_trainer(config, policy, tokenizer, rl_rows, run_dir, progress,

@@ -16,7 +16,13 @@ from grpokit.data.sources import build_rows, check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
-from grpokit.stages import evaluate_chain, load_policy, make_trainer, start_run, task_splits
+from grpokit.stages import (
+    evaluate_chain,
+    load_policy,
+    make_trainer,
+    start_run,
+    task_splits,
+)
 from grpokit.train.grpo import frozen_copy
 from grpokit.train.iterative import latest_iteration, run_iterations
 from grpokit.train.sft import sft_train
@@ -169,7 +175,11 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
     import json
 
     from grpokit.stages import reward_model_stage
-    from grpokit.train.reward_model import evaluate_reward_model, fit_reward_model, split_by_prompt
+    from grpokit.train.reward_model import (
+        evaluate_reward_model,
+        fit_reward_model,
+        split_by_prompt,
+    )
 
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))

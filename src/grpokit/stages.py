@@ -12,7 +12,11 @@ import torch
 from grpokit.config import Config, ConfigError, save_config
 from grpokit.data import arithmetic
 from grpokit.eval import evaluate
-from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
+from grpokit.models import (
+    build_char_tokenizer,
+    build_tiny_model,
+    load_model_and_tokenizer,
+)
 from grpokit.rewards import WeightedReward, get_reward_function
 
 ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -137,8 +141,8 @@ def reward_model_stage(config: Config, policy, tokenizer, rows: list[dict], run_
         if info.kind != rm.kind:
             raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            print(f"grpokit: the reward model's tokenizer differs from the policy's; it reads completions as text, "
-                  f"re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
+            print("grpokit: the reward model's tokenizer differs from the policy's; it reads completions as text, "
+                  "re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
         scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
     else:
         model = new_reward_model(policy, tokenizer, rm.kind).to(resolve_device(rm.device))

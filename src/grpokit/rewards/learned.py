@@ -35,7 +35,10 @@ class RewardModelInfo:
 
 
 def _auto_class(kind: str):
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     if kind == "outcome":
         return AutoModelForSequenceClassification

@@ -22,8 +22,8 @@ from typing import Callable
 
 from grpokit.checkpoint import save_checkpoint
 from grpokit.config import RewardModelConfig
-from grpokit.rewards.learned import RewardModelInfo, save_reward_model
 from grpokit.data.reward_data import write_jsonl
+from grpokit.rewards.learned import RewardModelInfo, save_reward_model
 from grpokit.train.reward_model import (
     ReplayBuffer,
     build_examples,
@@ -79,6 +79,13 @@ class RewardModelStage:
         # Kept for inspection and reuse: `grpokit train-rm --data` reads this file as it is.
         write_jsonl(self.run_dir / "reward_model_data" / f"round-{round_index}.jsonl",
                     [example_record(x) for x in examples])
+        if not examples and not self.buffer.items:
+            correct = sum(self.grade(rows, completions))
+            raise ValueError(
+                f"no reward-model training data: of {len(completions)} policy samples {correct} were correct, and "
+                f"no question had both a correct and an incorrect one to pair. Sample more "
+                f"(reward_model.num_questions, reward_model.samples_per_question), raise "
+                f"reward_model.sample_temperature, or start from a better-trained policy")
         train, heldout = split_by_prompt(examples, cfg.heldout_fraction, self.seed + round_index)
         replay = list(self.buffer.items)
         desc = "reward model" if round_index == 0 else f"reward model, refresh {round_index}"
@@ -114,17 +121,20 @@ def run_iterations(trainer, stage: RewardModelStage | None, iterations: int, sta
             break
         metrics = stage.train_round(trainer.model, k)
         print(f"iteration {k}: reward model refreshed on {metrics['new_examples']} new + "
-              f"{metrics['replay_examples']} replayed examples; held-out {_headline(metrics)}", file=sys.stderr)
+              f"{metrics['replay_examples']} replayed examples; held-out {rm_headline(metrics)}", file=sys.stderr)
         save_iteration(trainer, stage, k)
     return history
 
 
-def _headline(metrics: dict) -> str:
+def rm_headline(metrics: dict) -> str:
+    """A reward model's held-out accuracy in words."""
     if "pairwise_accuracy" in metrics:
-        return f"pairwise accuracy {metrics['pairwise_accuracy']:.1%}"
+        return f"pairwise accuracy {metrics['pairwise_accuracy']:.1%} on {metrics['pairs']} pairs"
     if "step_accuracy" in metrics:
-        return f"step accuracy {metrics['step_accuracy']:.1%}"
-    return "(no held-out data)"
+        return (f"step accuracy {metrics['step_accuracy']:.1%} on {metrics['steps']} steps "
+                f"(right steps {metrics['step_accuracy_on_right_steps']:.1%}, "
+                f"wrong steps {metrics['step_accuracy_on_wrong_steps']:.1%})")
+    return "not measured (no held-out examples; raise reward_model.num_questions)"
 
 
 def save_iteration(trainer, stage: RewardModelStage, k: int) -> Path:

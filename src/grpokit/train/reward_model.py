@@ -8,6 +8,7 @@ labeller (the built-in task's `step_labels`) gives process labels.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -177,7 +178,7 @@ class ReplayBuffer:
         self.items: list[Example] = []
 
     def add(self, new: list[Example], round_index: int) -> None:
-        keep = round(self.fraction * len(new))
+        keep = math.ceil(self.fraction * len(new))  # at least one of a small round, when fraction > 0
         self.items += random.Random(f"{self.seed}-replay-{round_index}").sample(new, keep)
         write_jsonl(self.path, [example_record(x) for x in self.items])
 
