@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
+from test_grpo_trainer import length_reward, make_trainer
 
 from grpokit.checkpoint import verify_checkpoint
 from grpokit.data.files import DatasetError, filter_long_prompts, load_prompt_rows
 from grpokit.metrics import read_metrics
 from grpokit.rewards import WeightedReward, score_completions
 from grpokit.train.grpo import NonFiniteTraining
-
-from test_grpo_trainer import length_reward, make_trainer
 
 
 def write_jsonl(path, lines):

@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpokit import gae_advantages, grpo_loss, kl_k3, outcome_advantages, process_advantages
+from grpokit import (
+    gae_advantages,
+    grpo_loss,
+    kl_k3,
+    outcome_advantages,
+    process_advantages,
+)
 
 F64 = torch.float64
 EPS = 1e-4

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from grpokit.rewards import WeightedReward, get_reward_function, math_accuracy, score_completions
+from grpokit.rewards import (
+    WeightedReward,
+    get_reward_function,
+    math_accuracy,
+    score_completions,
+)
 from grpokit.rewards.answers import (
     answer_count,
     extract_final_answer,
@@ -19,7 +24,11 @@ from grpokit.rewards.answers import (
     gsm8k_reference,
     math_reference,
 )
-from grpokit.rewards.math_rewards import format_reward, math_accuracy_with_stats, overlong_penalty
+from grpokit.rewards.math_rewards import (
+    format_reward,
+    math_accuracy_with_stats,
+    overlong_penalty,
+)
 from grpokit.rewards.verify_pool import VerifierPool
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,12 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from grpokit.checkpoint import save_checkpoint
-from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, resolve_dtype
+from grpokit.models import (
+    build_char_tokenizer,
+    build_tiny_model,
+    load_model_and_tokenizer,
+    resolve_dtype,
+)
 from grpokit.rollout import SamplingParams, sample_groups
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from test_grpo_trainer import length_reward, small_config
 from transformers import AutoModelForTokenClassification
 
 from grpokit.checkpoint import verify_checkpoint
@@ -14,9 +15,12 @@ from grpokit.config import PPOConfig
 from grpokit.math import gae_advantages, value_loss
 from grpokit.metrics import read_metrics
 from grpokit.models.value import build_critic, token_values
-from grpokit.train.ppo import PPOTrainer, explained_variance, shaped_token_rewards, whiten
-
-from test_grpo_trainer import length_reward, small_config
+from grpokit.train.ppo import (
+    PPOTrainer,
+    explained_variance,
+    shaped_token_rewards,
+    whiten,
+)
 
 D = torch.float64
 

@@ -5,6 +5,7 @@ policy's own samples, GRPO with a reward model whose tokenizer differs, and iter
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from grpokit.config import load_config
 from grpokit.rewards.learned import META_FILE
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
@@ -46,7 +48,7 @@ def sft_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("flags", "kind"),
-    [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2"], "outcome")],
+    [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2", "--beta", "0.05"], "outcome")],
     ids=["reward-model", "process", "iterative"],
 )
 def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
@@ -56,6 +58,8 @@ def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
     assert f"{kind} reward model, held-out:" in proc.stdout and "greedy accuracy" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reward"] == "model" and summary["supervision"] == kind
+    # The model-reward variants anchor the policy harder unless a beta is given.
+    assert load_config(out / "config.yaml").grpo.beta == (0.05 if "--beta" in flags else 0.2)
     assert json.loads((out / "reward_model" / META_FILE).read_text())["kind"] == kind
     auto = AutoModelForTokenClassification if kind == "process" else AutoModelForSequenceClassification
     assert auto.from_pretrained(out / "reward_model").config.num_labels == 1
@@ -118,19 +122,32 @@ def test_grpo_with_a_process_reward_model_of_another_tokenizer(tmp_path, sft_che
     assert len(rows) == 2 and all(r["process/steps_mean"] >= 1 for r in rows)
 
 
-def test_iterative_training_resumes_at_an_iteration_boundary_exactly(tmp_path, sft_checkpoint):
+@pytest.mark.parametrize("died_in", [1, 2], ids=["inside-iteration-1", "in-iteration-2"])
+def test_iterative_training_resumes_exactly(tmp_path, sft_checkpoint, died_in):
+    """Killed in iteration 2, the run resumes at the iteration-1 boundary (policy, reward model,
+    replay buffer); killed inside iteration 1, at its last step checkpoint with pi_ref still pi_SFT
+    and the replay buffer kept. Either way it ends exactly where an uninterrupted run does."""
     common = ["train", f"--model.name_or_path={sft_checkpoint}", "--quiet", *TINY, *TINY_RM, "--grpo.max_steps=4",
-              "--reward_model.kind=outcome", "--iterative.iterations=2", "--grpo.save_steps=1"]
+              "--reward_model.kind=outcome", "--iterative.iterations=2", "--grpo.save_steps=1",
+              "--grpo.save_total_limit=0"]
     full = tmp_path / "full"
     grpokit(*common, f"--output_dir={full}")
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
-    # As if the run died in iteration 2: only what iteration 1 wrote survives.
-    for name in ("step-3", "step-4", "latest"):
+    lost = ["step-3", "step-4", "latest"] + (["step-2"] if died_in == 1 else [])
+    for name in lost:  # only what was written before the crash survives
         target = cut / "checkpoints" / name
         target.unlink() if target.is_symlink() or target.is_file() else shutil.rmtree(target, ignore_errors=True)
+    if died_in == 1:
+        shutil.rmtree(cut / "iterations")
+        metrics = cut / "reward_model_metrics.jsonl"
+        round0 = metrics.read_text().splitlines()[0]
+        metrics.write_text(round0 + "\n")
+        buffer = cut / "replay_buffer.jsonl"  # back to round 0's share: ceil(10%) of its training examples
+        kept = math.ceil(0.1 * json.loads(round0)["new_examples"])
+        buffer.write_text("".join(line + "\n" for line in buffer.read_text().splitlines()[:kept]))
     proc = grpokit(*common, f"--output_dir={cut}", "--resume")
-    assert "iter-1" in proc.stderr and "at step 2" in proc.stderr
+    assert ("iter-1" in proc.stderr and "at step 2" in proc.stderr) if died_in == 2 else "at step 1" in proc.stderr
     a = load_file(full / "checkpoints" / "step-4" / "model.safetensors")
     b = load_file(cut / "checkpoints" / "step-4" / "model.safetensors")
     for key in a:
@@ -138,3 +155,13 @@ def test_iterative_training_resumes_at_an_iteration_boundary_exactly(tmp_path, s
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}  # noqa: E731
                           for line in path.read_text().splitlines()]
     assert strip(cut / "metrics.jsonl") == strip(full / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_grpo_on_a_learned_reward_model_beats_the_sft_model(tmp_path):
+    """The full-size `demo --reward model`: the outcome RM is trained on pi_SFT's graded samples and
+    is GRPO's only reward; held-out greedy accuracy must still rise by >= 10 points."""
+    grpokit("demo", "--reward", "model", "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=1500)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reward"] == "model"
+    assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.10, summary

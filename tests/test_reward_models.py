@@ -279,3 +279,30 @@ def test_replay_buffer_keeps_its_share_of_each_round_and_persists(tmp_path):
     again = ReplayBuffer(tmp_path / "steps.jsonl", fraction=1.0)
     again.load()
     assert again.items == steps.items
+
+
+def test_replay_buffer_reads_back_exactly_what_it_wrote(tmp_path):
+    """Its own file: a custom delimiter is not re-split, and an empty sampled completion survives."""
+    items = [StepLabelledSample("q", ("a<s>", "b\nc"), (True, False)), StepLabelledSample("q2", ("",), (False,))]
+    buffer = ReplayBuffer(tmp_path / "steps.jsonl", fraction=1.0)
+    buffer.add(items, 0)
+    again = ReplayBuffer(tmp_path / "steps.jsonl", fraction=1.0)
+    again.load()
+    assert again.items == buffer.items and set(again.items) == set(items)
+    pairs = ReplayBuffer(tmp_path / "pairs.jsonl", fraction=1.0)
+    pairs.add([PreferencePair("q", "A: 1", "")], 0)
+    pairs_again = ReplayBuffer(tmp_path / "pairs.jsonl", fraction=1.0)
+    pairs_again.load()
+    assert pairs_again.items == pairs.items
+
+
+def test_an_outcome_score_does_not_depend_on_what_else_is_in_the_batch():
+    """Right padding and the sequence head's pad id agree: a short completion scores the same alone
+    and beside a long one (the head reads the rightmost non-pad token)."""
+    tok, model = _tiny_rm("outcome")
+    with torch.no_grad():
+        model.score.weight.normal_()  # a non-zero head, so scores differ by position
+    orm = OutcomeRewardModel(model, tok)
+    alone = orm.scores(["Q: 1+1\n"], ["A: 2"])
+    batched = orm.scores(["Q: 1+1\n", "Q: 12+3-4+5\n"], ["A: 2", "15-4+5\n11+5\nA: 16"])
+    torch.testing.assert_close(batched[:1], alone)

@@ -2,7 +2,12 @@
 
 import torch
 
-from grpokit.rollout import SamplingParams, position_ids_for, sample_groups, token_logprobs
+from grpokit.rollout import (
+    SamplingParams,
+    position_ids_for,
+    sample_groups,
+    token_logprobs,
+)
 from grpokit.rollout.sampler import completion_mask_and_truncation
 
 

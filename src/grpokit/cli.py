@@ -83,6 +83,25 @@ def demo_variant_overrides(args) -> list[str]:
     return out
 
 
+def _user_set(key: str, config_path: str | None, overrides: list[str]) -> bool:
+    """Whether the YAML file or an override sets dotted `key` (so a default must not replace it)."""
+    from grpokit.config import resolve_key
+
+    for item in overrides:
+        if resolve_key(item.removeprefix("--").split("=", 1)[0]) == key:
+            return True
+    if config_path:
+        import yaml
+
+        node = yaml.safe_load(open(config_path)) or {}
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+    return False
+
+
 def bench(argv: list[str]) -> int:
     """`grpokit bench cost ...` (measured) or `grpokit bench memory ...` (analytic)."""
     if argv[:1] == ["cost"]:
@@ -122,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"grpokit: config error: {err}", file=sys.stderr)
         return 2
+    if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", args.config,
+                                                                                         overrides):
+        from grpokit.demo import REWARD_MODEL_BETA
+
+        config.grpo.beta = REWARD_MODEL_BETA
     try:
         return _run(args, config)
     except ConfigError as err:

@@ -390,6 +390,9 @@ def validate(config: Config) -> None:
         (config.reward_model.kind != "process" or config.algo == "grpo",
          "process supervision (reward_model.kind=process) needs algo=grpo: PPO's critic takes one scalar reward"),
         (config.reward_model.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
+        (config.reward_model.kind != "process" or g.scale_rewards,
+         "grpo.scale_rewards=false is not defined for process supervision: eq. 6 normalises step rewards by "
+         "their group std"),
         (0 <= config.reward_model.replay_fraction <= 1, "reward_model.replay_fraction must lie in [0, 1]"),
         (0 < config.reward_model.heldout_fraction < 1, "reward_model.heldout_fraction must lie in (0, 1)"),
         (config.iterative.iterations >= 1, f"iterative.iterations must be >= 1, got {config.iterative.iterations}"),

@@ -35,6 +35,12 @@ from grpokit.stages import (
 from grpokit.train.iterative import rm_headline, run_iterations
 from grpokit.train.sft import sft_train
 
+# A learned reward is easier to exploit than a verifier: where the reward model cannot check the
+# arithmetic (it learns that worked solutions tend to be right, not which ones are), a firmer
+# KL anchor keeps the policy's arithmetic from drifting while it learns to show its steps. The
+# demo's model-reward variants use this beta unless one is given (README: reward models).
+REWARD_MODEL_BETA = 0.2
+
 
 def reasoning_rate(result) -> float:
     """Share of greedy answers that work through at least one step before answering."""

@@ -80,6 +80,27 @@ def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
     return rows, None
 
 
+def _keep_rounds(run_dir: Path, last: int) -> None:
+    """Drop reward-model metrics rows of rounds after `last`: a resumed run redoes them."""
+    path = run_dir / "reward_model_metrics.jsonl"
+    if path.is_file():
+        import json
+
+        rows = [line for line in path.read_text().splitlines() if json.loads(line).get("round", 0) <= last]
+        path.write_text("".join(row + "\n" for row in rows))
+
+
+def check_reward_model_setup(config: Config) -> None:
+    """Setups that could only fail after training has started, refused before any model loads."""
+    rm = config.reward_model
+    needs_labels = not rm.path or config.iterative.iterations > 1
+    if rm.kind == "process" and config.data.sources and needs_labels:
+        raise ConfigError(
+            "process labels for data.sources cannot be made by rule here (only the built-in task has a step "
+            "checker): train a PRM with `grpokit train-rm --process --data STEPS.jsonl`, set reward_model.path "
+            "to it, and keep iterative.iterations=1")
+
+
 def _reward_model_for_run(config: Config, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
                           boundary: Path | None):
     """The run's reward model: from an iteration boundary (with its replay buffer), from the one
@@ -94,9 +115,13 @@ def _reward_model_for_run(config: Config, policy, tokenizer, rows, run_dir: Path
         stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(boundary / "reward_model"))
         shutil.copyfile(boundary / "replay_buffer.jsonl", stage.buffer.path)
         stage.buffer.load()
+        _keep_rounds(run_dir, int(boundary.name.split("-")[1]))
         return stage
     if checkpoint is not None and not config.reward_model.path and (own / "config.json").is_file():
-        return reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(own))
+        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(own))
+        stage.buffer.load()  # round 0's replay share, which the next refresh must keep
+        _keep_rounds(run_dir, 0)
+        return stage
     stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)
     if not config.reward_model.path:
         for stale in ("reward_model_metrics.jsonl", "replay_buffer.jsonl"):
@@ -110,9 +135,13 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     """GRPO from model.name_or_path; with `resume`, continue exactly from the latest intact
     checkpoint of output_dir (or from the path given)."""
     check_sources(config.data.sources, config.data.skip_malformed_lines)  # file errors before any model loads
+    check_reward_model_setup(config)
     with RunLock(config.output_dir):
         checkpoint = None
         boundary = latest_iteration(config.output_dir) if resume and config.iterative.iterations > 1 else None
+        if boundary is not None and resume is not True:
+            print(f"grpokit: iterative runs resume at their last iteration boundary ({boundary}), "
+                  f"not at {resume}", file=sys.stderr)
         if boundary is not None:  # iterative GRPO resumes at its last complete iteration boundary
             checkpoint = boundary / "policy"
             check_resume_config(checkpoint, config, force)
@@ -148,7 +177,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     return final
 
 
-def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int) -> list:
+def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int,
+                          max_pairs_per_prompt: int = 8) -> list:
     """Training examples from a file: preference pairs (prompt, chosen, rejected), graded samples
     (prompt, completion, correct) made into pairs, or step-labelled samples for a process RM."""
     from grpokit.data.files import read_file_records
@@ -165,7 +195,8 @@ def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: 
     first = records[0][1] if records and isinstance(records[0][1], dict) else {}
     if "chosen" in first or "rejected" in first:
         return read_preference_pairs(path, skip_malformed)
-    return pairs_from_graded(read_graded_samples(path, skip_malformed), seed=seed)
+    return pairs_from_graded(read_graded_samples(path, skip_malformed), seed=seed,
+                             max_pairs_per_prompt=max_pairs_per_prompt)
 
 
 def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
@@ -187,7 +218,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
     with RunLock(config.output_dir):
         run_dir = start_run(config)
         examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
-                                         config.seed) if data else None
+                                         config.seed, rm.max_pairs_per_prompt) if data else None
         policy, tokenizer = load_policy(config)
         rows, _ = rl_rows(config, tokenizer) if not data else ([], None)
         stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)

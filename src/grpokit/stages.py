@@ -137,7 +137,7 @@ def reward_model_stage(config: Config, policy, tokenizer, rows: list[dict], run_
     rm = config.reward_model
     path = rm.path if path is None else path
     if path:
-        model, rm_tokenizer, info = load_reward_model(path, rm.device)
+        model, rm_tokenizer, info = load_reward_model(path, rm.device, config.model.dtype)
         if info.kind != rm.kind:
             raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():

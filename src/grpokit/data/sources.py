@@ -14,7 +14,13 @@ from __future__ import annotations
 import re
 import sys
 
-from grpokit.data.files import DatasetError, LoadedRows, check_records, read_file_records, read_hub_dataset
+from grpokit.data.files import (
+    DatasetError,
+    LoadedRows,
+    check_records,
+    read_file_records,
+    read_hub_dataset,
+)
 from grpokit.data.templates import render_prompt
 
 FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"), "plain": ("prompt", "answer")}

@@ -6,7 +6,13 @@ from grpokit.math.advantages import (
     outcome_advantages,
     process_advantages,
 )
-from grpokit.math.losses import bradley_terry_loss, grpo_loss, kl_k3, step_bce_loss, value_loss
+from grpokit.math.losses import (
+    bradley_terry_loss,
+    grpo_loss,
+    kl_k3,
+    step_bce_loss,
+    value_loss,
+)
 
 __all__ = [
     "bradley_terry_loss",

@@ -6,7 +6,12 @@ with a character-level tokenizer built with `tokenizers`. Both save and load wit
 from __future__ import annotations
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 

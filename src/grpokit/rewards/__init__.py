@@ -7,7 +7,11 @@ score this sample": it is masked out of the loss and counted, never turned into 
 """
 
 from grpokit.rewards.math_rewards import math_accuracy
-from grpokit.rewards.registry import RewardFunction, get_reward_function, register_reward
+from grpokit.rewards.registry import (
+    RewardFunction,
+    get_reward_function,
+    register_reward,
+)
 from grpokit.rewards.scoring import RewardResult, WeightedReward, score_completions
 
 __all__ = [

@@ -70,7 +70,8 @@ def save_reward_model(model, tokenizer, info: RewardModelInfo, path: str | Path,
 
 
 def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer, info) from a directory written by `grpokit train-rm`."""
+    """(model, tokenizer, info) from a directory written by `grpokit train-rm`; `dtype` as for the
+    policy (pass the policy's, so a reloaded reward model trains in the precision it started in)."""
     from transformers import AutoTokenizer
 
     from grpokit.models.loading import resolve_device, resolve_dtype
@@ -91,8 +92,7 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = _auto_class(info.kind).from_pretrained(directory, dtype=resolve_dtype(dtype, dev), num_labels=1).to(dev)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id  # `encode` pads with it; the sequence head must agree
     return model.eval(), tokenizer, info
 
 

@@ -114,7 +114,8 @@ def run_iterations(trainer, stage: RewardModelStage | None, iterations: int, sta
     boundaries = iteration_boundaries(trainer.config.max_steps, iterations)
     history = []
     for k in range(start, iterations + 1):
-        trainer.reset_reference()
+        if k > 1:  # iteration 1's reference is the initial policy already (also on a resume inside it)
+            trainer.reset_reference()
         extra = {"iteration": k} if iterations > 1 else None
         history += trainer.train(until=boundaries[k - 1], extra_metrics=extra)
         if trainer.interrupted or k == iterations:

@@ -8,6 +8,7 @@ labeller (the built-in task's `step_labels`) gives process labels.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import asdict
@@ -39,7 +40,8 @@ def split_by_prompt(items: list, heldout_fraction: float, seed: int) -> tuple[li
     questions the reward model never saw."""
     prompts = sorted({x.prompt for x in items})
     random.Random(f"{seed}-rm-split").shuffle(prompts)
-    n_heldout = max(1, round(heldout_fraction * len(prompts))) if len(prompts) > 1 else 0
+    # At least one question on each side when there are two or more.
+    n_heldout = min(len(prompts) - 1, max(1, round(heldout_fraction * len(prompts)))) if len(prompts) > 1 else 0
     heldout = set(prompts[:n_heldout])
     return [x for x in items if x.prompt not in heldout], [x for x in items if x.prompt in heldout]
 
@@ -183,13 +185,18 @@ class ReplayBuffer:
         write_jsonl(self.path, [example_record(x) for x in self.items])
 
     def load(self) -> None:
-        from grpokit.data.reward_data import read_preference_pairs, read_step_labels
-
-        if not self.path.is_file() or self.path.stat().st_size == 0:
-            self.items = []
+        """Read back exactly what `add` wrote (this file is ours: no re-splitting, and an empty
+        completion, which a policy can sample, stays an example)."""
+        self.items = []
+        if not self.path.is_file():
             return
-        first = self.path.read_text(encoding="utf-8").split("\n", 1)[0]
-        self.items = read_step_labels(self.path) if '"steps"' in first else read_preference_pairs(self.path)
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if "steps" in record:
+                self.items.append(StepLabelledSample(record["prompt"], tuple(record["steps"]),
+                                                     tuple(bool(v) for v in record["labels"])))
+            else:
+                self.items.append(PreferencePair(record["prompt"], record["chosen"], record["rejected"]))
 
 
 def new_scorer(model, tokenizer, kind: str, config: RewardModelConfig):
