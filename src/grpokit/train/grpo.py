@@ -195,7 +195,6 @@ class GRPOTrainer:
     def learn(self, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor, timings: dict) -> dict:
         """GRPO's part of the step: group-relative advantages (eq. 5), then mu clipped updates with
         the k3 KL in the loss (eq. 3-4). Fills timings' logprob and update seconds."""
-        cfg = self.config
         advantages = self._advantages(rollout, result)
         t = time.perf_counter()
         ref_logp, old_logp = self._fixed_logprobs(rollout)
