@@ -157,3 +157,37 @@ def test_empty_or_promptless_dataset_is_rejected(tiny_model, tokenizer, tmp_path
         GRPOTrainer(tiny_model, tokenizer, [], [], small_config(), tmp_path)
     with pytest.raises(ValueError, match="no 'prompt' field"):
         GRPOTrainer(tiny_model, tokenizer, [], [{"question": "x"}], small_config(), tmp_path)
+
+
+def test_process_supervision_mixes_with_rule_based_rewards(tiny_model, tokenizer, chain_rows, tmp_path):
+    """A PRM gives [N, T] process advantages (eq. 6); a rule-based reward beside it adds its outcome
+    advantage (eq. 5) to every token of its completion."""
+    from grpokit.rewards.learned import ProcessRewardModel, new_reward_model
+    from grpokit.rollout import SamplingParams, sample_groups
+    from grpokit.train.grpo import step_advantages
+
+    prm_model = new_reward_model(copy.deepcopy(tiny_model), tokenizer, "process")
+    with torch.no_grad():
+        prm_model.score.weight.normal_()  # varied step scores
+    prm = ProcessRewardModel(prm_model, tokenizer, "\n")
+    trainer = make_trainer(tiny_model, tokenizer, chain_rows, tmp_path, max_completion_length=16)
+    trainer.process_reward = prm
+    record = trainer.step()
+    assert {"process/steps_mean", "process/no_delimiter", "rewards/chain_accuracy"} <= set(record)
+
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in chain_rows[:2]]
+    rollout = sample_groups(tiny_model, tokenizer, [r["prompt"] for r in rows], 4, SamplingParams(16), rows)
+    result = trainer._score(rollout)
+    result.step_scores = prm.score_steps(rollout.prompts, rollout.completions)
+    mixed = trainer._advantages(rollout, result)
+    process = step_advantages(tokenizer, rollout.completion_ids, rollout.completion_lengths, result.step_scores, 4)
+    outcome = masked_outcome_advantages(result.total.float(), result.valid, 4)
+    assert mixed.shape == rollout.completion_mask.shape
+    torch.testing.assert_close(mixed, process + outcome.unsqueeze(1))
+    trainer.rewards = []
+    torch.testing.assert_close(trainer._advantages(rollout, result), process)
+
+
+def test_a_trainer_without_any_reward_is_refused(tiny_model, tokenizer, chain_rows, tmp_path):
+    with pytest.raises(ValueError, match="needs a reward"):
+        GRPOTrainer(tiny_model, tokenizer, [], chain_rows, small_config(), tmp_path)
