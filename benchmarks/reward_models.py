@@ -1,0 +1,114 @@
+"""Rule-based reward vs learned reward models on the demo task, per seed, on one pi_SFT each.
+
+    python benchmarks/reward_models.py --seeds 0,1,2 [--out runs/rm] [--sft-from runs/seed{seed}]
+
+For each seed it runs, in fresh `grpokit demo` subprocesses, each variant below starting from
+the same pi_SFT (`--sft.checkpoint`; the SFT stage is skipped), unless that run's summary.json is
+already there; then prints one markdown table. Every variant samples the same number of policy
+completions (150 steps x 16 questions x 8), so outcome and process supervision compare at equal cost.
+
+  rule       the verifier (the plain demo; read from the --sft-from run's own summary.json)
+  orm        --reward model: an outcome RM trained on pi_SFT's graded samples, GRPO's only reward
+  prm        --supervision process: a process RM's step scores, process advantages (eq. 6)
+  iterative  --iterative 2: the outcome RM, refreshed once on the new policy's samples (10% replay)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = {"orm": ["--reward", "model"], "prm": ["--supervision", "process"], "iterative": ["--iterative", "2"]}
+
+
+def run_variant(seed: int, name: str, sft_run: Path, out: Path) -> dict:
+    run_dir = out / f"{name}-s{seed}"
+    if not (run_dir / "summary.json").is_file():
+        cmd = [sys.executable, "-m", "grpokit.cli", "demo", "--quiet", "--seed", str(seed), *VARIANTS[name],
+               f"--sft.checkpoint={sft_run / 'checkpoints' / 'sft'}", "--output-dir", str(run_dir)]
+        print("+", " ".join(cmd[2:]), file=sys.stderr)
+        subprocess.run(cmd, check=True)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def rm_accuracy(summary: dict) -> str:
+    rm = summary.get("reward_model") or {}
+    if "pairwise_accuracy" in rm:
+        return f"{rm['pairwise_accuracy']:.1%} pairwise"
+    if "step_accuracy" in rm:
+        return f"{rm['step_accuracy']:.1%} of steps"
+    return "-"
+
+
+def breakdown(run_dir: Path, seed: int) -> str:
+    """Held-out accuracy of a run's initial reward model by kind of example: does it verify, or does
+    it only know that worked solutions tend to be right? (built-in task; round-0 data, same split)"""
+    import torch
+
+    from grpokit.data.arithmetic import shows_steps
+    from grpokit.data.reward_data import PreferencePair, StepLabelledSample
+    from grpokit.rewards.learned import as_scorer, load_reward_model
+    from grpokit.train.reward_model import split_by_prompt
+
+    model, tokenizer, info = load_reward_model(run_dir / "reward_model", device="cpu")
+    scorer = as_scorer(model, tokenizer, info)
+    records = [json.loads(line) for line in (run_dir / "reward_model_data" / "round-0.jsonl").open()]
+    kind = lambda text: "worked" if shows_steps(text) else "direct"  # noqa: E731
+    hits: dict[str, list[bool]] = {}
+    if info.kind == "outcome":
+        _, heldout = split_by_prompt([PreferencePair(**r) for r in records], 0.1, seed)
+        chosen = scorer.scores([p.prompt for p in heldout], [p.chosen for p in heldout])
+        rejected = scorer.scores([p.prompt for p in heldout], [p.rejected for p in heldout])
+        for p, c, r in zip(heldout, chosen, rejected):
+            hits.setdefault(f"right {kind(p.chosen)} vs wrong {kind(p.rejected)}", []).append(bool(c > r))
+    else:
+        samples = [StepLabelledSample(r["prompt"], tuple(r["steps"]), tuple(map(bool, r["labels"]))) for r in records]
+        _, heldout = split_by_prompt(samples, 0.1, seed)
+        with torch.no_grad():
+            for start in range(0, len(heldout), 64):
+                batch = heldout[start : start + 64]
+                logits = scorer.step_logits([x.prompt for x in batch], [list(x.steps) for x in batch])
+                for x, row in zip(batch, logits):
+                    for step, label, logit in zip(x.steps, x.labels, row.tolist()):
+                        what = "direct answer" if len(x.steps) == 1 else ("answer line" if step.startswith("A:")
+                                                                          else "chain step")
+                        hits.setdefault(f"{what}, {'right' if label else 'wrong'}", []).append((logit > 0) == label)
+    return ", ".join(f"{name} {sum(h) / len(h):.0%} (n={len(h)})" for name, h in sorted(hits.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", default="runs/rm", help="where the variant runs go")
+    parser.add_argument("--sft-from", default="runs/seed{seed}",
+                        help="the plain demo run of each seed: its pi_SFT and its rule-based result")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also: each initial reward model's held-out accuracy by kind of example")
+    args = parser.parse_args(argv)
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        sft_run = Path(args.sft_from.format(seed=seed))
+        rule = json.loads((sft_run / "summary.json").read_text())
+        results = {"rule": rule} | {name: run_variant(seed, name, sft_run, Path(args.out)) for name in VARIANTS}
+        for name, s in results.items():
+            refresh = s.get("reward_model_refreshes") or []
+            after = f" → {rm_accuracy({'reward_model': refresh[-1]})}" if refresh else ""
+            rows.append(f"| {seed} | {name} | {rm_accuracy(s)}{after} | {s['sft_accuracy']:.1%} | "
+                        f"{s['grpo_accuracy']:.1%} | {100 * (s['grpo_accuracy'] - s['sft_accuracy']):+.1f} pt | "
+                        f"{s['grpo']['maj_at_k']:.1%} | {s['grpo_reasoning_rate']:.0%} |")
+    print("| seed | reward | reward model held-out accuracy | SFT greedy | GRPO greedy | change | GRPO maj@8 "
+          "| shows steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.breakdown:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for name in ("orm", "prm"):
+                print(f"seed {seed} {name}: {breakdown(Path(args.out) / f'{name}-s{seed}', seed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
