@@ -97,6 +97,14 @@ def test_train_rm_on_a_preference_file_and_its_errors(tmp_path):
     assert proc.returncode == 1 and f"{missing}:1" in proc.stderr and "rejected" in proc.stderr
 
 
+def test_train_rm_says_so_when_graded_samples_make_no_pair(tmp_path):
+    graded = tmp_path / "graded.jsonl"
+    graded.write_text("".join(json.dumps({"prompt": "Q: 1+1\n", "completion": "A: 2", "correct": True})
+                              + "\n" for i in range(4)))
+    proc = grpokit("train-rm", "--data", str(graded), f"--output_dir={tmp_path / 'rm'}", "--quiet", *TINY, ok=False)
+    assert proc.returncode == 1 and "no reward-model training data" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_train_rm_process_on_the_policys_own_samples(tmp_path, sft_checkpoint):
     out = tmp_path / "prm"
     proc = grpokit("train-rm", "--process", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={out}",

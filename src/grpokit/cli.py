@@ -165,8 +165,10 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from grpokit.data.files import DatasetError
     from grpokit.runlock import RunDirectoryLocked
     from grpokit.train.grpo import NonFiniteTraining, RewardFailure
+    from grpokit.train.reward_model import RewardModelDataError
 
-    return (CheckpointError, DatasetError, RunDirectoryLocked, NonFiniteTraining, RewardFailure)
+    return (CheckpointError, DatasetError, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
+            RewardModelDataError)
 
 
 def _run(args, config) -> int:

@@ -26,6 +26,7 @@ from grpokit.data.reward_data import write_jsonl
 from grpokit.rewards.learned import RewardModelInfo, save_reward_model
 from grpokit.train.reward_model import (
     ReplayBuffer,
+    RewardModelDataError,
     build_examples,
     evaluate_reward_model,
     example_record,
@@ -81,7 +82,7 @@ class RewardModelStage:
                     [example_record(x) for x in examples])
         if not examples and not self.buffer.items:
             correct = sum(self.grade(rows, completions))
-            raise ValueError(
+            raise RewardModelDataError(
                 f"no reward-model training data: of {len(completions)} policy samples {correct} were correct, and "
                 f"no question had both a correct and an incorrect one to pair. Sample more "
                 f"(reward_model.num_questions, reward_model.samples_per_question), raise "

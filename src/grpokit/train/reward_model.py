@@ -35,6 +35,10 @@ from grpokit.train.schedule import make_optimizer, warmup_cosine
 Example = PreferencePair | StepLabelledSample
 
 
+class RewardModelDataError(ValueError):
+    """No usable reward-model training data could be built; the message says what to change."""
+
+
 def split_by_prompt(items: list, heldout_fraction: float, seed: int) -> tuple[list, list]:
     """(train, held-out) with every prompt wholly on one side, so accuracy is measured on
     questions the reward model never saw."""
@@ -61,7 +65,8 @@ def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, se
                      progress: bool = True, desc: str = "reward model") -> list[float]:
     """Train `scorer.model` in place for config.max_steps; returns each step's loss."""
     if not train:
-        raise ValueError("no reward-model training data: no preference pairs or step-labelled samples were built")
+        raise RewardModelDataError("no reward-model training data: no preference pairs or step-labelled samples "
+                                   "were built")
     kind_ok = isinstance(scorer, OutcomeRewardModel) == isinstance(train[0], PreferencePair)
     if not kind_ok:
         raise ValueError(f"a {scorer.kind} reward model cannot train on {type(train[0]).__name__} data")
