@@ -205,7 +205,7 @@ def test_step_label_count_mismatch_message(tmp_path):
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"prompt": "p", "completion": "", "labels": []}, "'completion' is empty"),
+    ({"prompt": "p", "completion": "", "labels": []}, "0 labels for 1 steps"),
     ({"prompt": "p", "completion": "a", "labels": ["yes"]}, "'labels' item 0"),
     ({"prompt": "p", "completion": "a", "labels": 1}, "'labels' must be a list"),
     ({"prompt": "p", "completion": "a"}, "no field 'labels'"),
@@ -215,6 +215,7 @@ def test_step_label_count_mismatch_message(tmp_path):
     ({"prompt": "p", "steps": ["a", "b"], "labels": [1]}, "1 labels for 2 steps;"),
 ])
 def test_step_label_errors(tmp_path, bad, words):
+    """Each malformed row names its line and what is wrong."""
     good = {"prompt": "p", "completion": "a", "labels": [1]}
     path = jsonl(tmp_path / "steps.jsonl", [good, good, bad])
     with pytest.raises(DatasetError) as err:
@@ -278,3 +279,13 @@ def test_write_jsonl_round_trip_and_atomic(tmp_path):
     with pytest.raises(TypeError):
         write_jsonl(path, ["not a dict"])
     assert path.read_text(encoding="utf-8") == text and os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_an_empty_completion_is_a_sample_not_an_error(tmp_path):
+    """A policy that stops at once wrote an empty completion: it is a (wrong) sample to learn from,
+    and the files grpokit writes with one read back."""
+    pairs = jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "A: 2", "rejected": ""}])
+    assert read_preference_pairs(pairs) == [PreferencePair("p", "A: 2", "")]
+    steps = jsonl(tmp_path / "steps.jsonl", [{"prompt": "p", "completion": "", "labels": [0]},
+                                            {"prompt": "p", "steps": [""], "labels": [0]}])
+    assert [s.steps for s in read_step_labels(steps)] == [("",), ("",)]

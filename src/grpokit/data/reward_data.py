@@ -94,11 +94,13 @@ def _is_flag(value: object) -> bool:
 
 
 def read_preference_pairs(path: str | Path, skip_malformed: bool = False) -> list[PreferencePair]:
-    """Rows with non-empty text in 'prompt', 'chosen' and 'rejected', chosen != rejected."""
-    needed = "non-empty text in 'prompt', 'chosen' and 'rejected'"
+    """Rows with text in 'prompt' (non-empty), 'chosen' and 'rejected', chosen != rejected. A completion
+    may be empty: a policy that stops at once wrote exactly that."""
+    needed = "text in 'prompt', 'chosen' and 'rejected'"
 
     def parse(where: str, record: dict) -> PreferencePair:
-        prompt, chosen, rejected = (_text(where, record, name, needed) for name in ("prompt", "chosen", "rejected"))
+        prompt = _text(where, record, "prompt", needed)
+        chosen, rejected = (_text(where, record, name, needed, allow_empty=True) for name in ("chosen", "rejected"))
         if chosen == rejected:  # the loss on such a pair is a constant: nothing to learn, likely a bad join
             raise _RowProblem(f"{where}: fields 'chosen' and 'rejected' are the same text; "
                               "fix one of them or drop the row")
@@ -230,15 +232,16 @@ def read_step_labels(path: str | Path, delimiter: str = "\n", skip_malformed: bo
                 raise _RowProblem(f"{where}: field 'steps' must be a non-empty list of strings, "
                                   f"got {_short(given)}")
             for i, step in enumerate(given):
-                if not isinstance(step, str) or not step.strip():
+                # an empty completion is one empty step; otherwise every step holds text
+                if not isinstance(step, str) or (not step.strip() and len(given) > 1):
                     raise _RowProblem(f"{where}: field 'steps' item {i} must be non-empty text, got {_short(step)}")
             # joined as the model would have written them: each step ends where the next begins
             steps = [s if i == len(given) - 1 or s.endswith(delimiter) else s + delimiter
                      for i, s in enumerate(given)]
             split_note = ""
         elif "completion" in record:
-            completion = _text(where, record, "completion", needed)
-            steps = split_steps(completion, delimiter)
+            completion = _text(where, record, "completion", needed, allow_empty=True)
+            steps = split_steps(completion, delimiter) or [completion]  # no delimiter (or empty): one step
             split_note = f" (split on {delimiter!r})"
         else:
             raise _RowProblem(f"{where}: no field 'steps' (a list of strings) or 'completion' (text split "
