@@ -75,7 +75,8 @@ def run_demo(config: Config, progress: bool = True) -> dict:
 def _run_demo(config: Config, progress: bool) -> dict:
     started = time.perf_counter()
     run_dir = start_run(config)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for stale in ("metrics.jsonl", "reward_model_metrics.jsonl", "replay_buffer.jsonl"):  # a demo starts afresh
+        (run_dir / stale).unlink(missing_ok=True)
     sft_rows, rl_rows, heldout = task_splits(config)
     model, tokenizer = load_policy(config)
     print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
@@ -100,8 +101,6 @@ def _run_demo(config: Config, progress: bool) -> dict:
     stage, rm_metrics = None, None
     if config.reward_model.kind != "none":
         seed_everything(config.seed)  # the reward model's data does not depend on how pi_SFT was obtained
-        for stale in ("reward_model_metrics.jsonl", "replay_buffer.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
         stage = reward_model_stage(config, policy, tokenizer, rl_rows, run_dir, progress)
         if not config.reward_model.path:  # learn it from pi_SFT's own samples, graded by rule
             rm_metrics = stage.train_round(policy, 0)
