@@ -99,14 +99,12 @@ def verifier(config: Config):
     """grade(rows, completions) -> [bool]: the rule that labels reward-model data. The configured
     rule-based rewards when there are any (correct = weighted sum > 0.5), else the data's own checker."""
     if config.rewards:
-        from grpokit.rewards import score_completions
+        from grpokit.rewards.scoring import row_columns, score_completions
 
         rewards = build_rewards(config)
 
         def grade(rows: list[dict], completions: list[str]) -> list[bool]:
-            keys = [k for k in rows[0] if k != "prompt"]
-            result = score_completions(rewards, [r["prompt"] for r in rows], completions,
-                                       {k: [r.get(k) for r in rows] for k in keys})
+            result = score_completions(rewards, [r["prompt"] for r in rows], completions, row_columns(rows))
             return [bool(ok) and float(t) > 0.5 for t, ok in zip(result.total, result.valid)]
 
         return grade

@@ -13,6 +13,7 @@ the policy's own sampled tokens for process advantages (SPEC eq. 6).
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,6 +100,11 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
 # --------------------------------------------------------------------------- tokenization
 
 
+def step_char_ends(pieces: list[str]) -> list[int]:
+    """Where each step ends, as a character offset into the joined completion."""
+    return list(itertools.accumulate(len(piece) for piece in pieces))
+
+
 def _token_ends_of(tokenizer, text: str, char_ends: list[int]) -> tuple[list[int], list[int]]:
     """(token ids of `text`, index of the token holding each char_end's last character)."""
     if getattr(tokenizer, "is_fast", False):
@@ -129,10 +135,7 @@ def encode(tokenizer, prompts: list[str], steps: list[list[str]]) -> RewardModel
     for prompt, pieces in zip(prompts, steps):
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         text = "".join(pieces)
-        char_ends, total = [], 0
-        for piece in pieces:
-            total += len(piece)
-            char_ends.append(total)
+        char_ends = step_char_ends(pieces)
         completion_ids, ends = _token_ends_of(tokenizer, text, char_ends) if text else ([], [])
         if not completion_ids:  # an empty completion: its single step is read at the last prompt token
             ends = [-1] * max(1, len(pieces))
@@ -252,11 +255,8 @@ class ProcessRewardModel:
             steps = [self.split(c) for c in batch]
             logits = self.step_logits(prompts[start : start + self.batch_size], steps)
             for completion, pieces, row in zip(batch, steps, logits):
-                ends, total = [], 0
-                for piece in pieces:
-                    total += len(piece)
-                    ends.append(total)
-                out.append(StepScores(torch.sigmoid(row).cpu().tolist(), ends, self.delimiter in completion))
+                out.append(StepScores(torch.sigmoid(row).cpu().tolist(), step_char_ends(pieces),
+                                      self.delimiter in completion))
         return out
 
 

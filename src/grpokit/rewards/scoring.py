@@ -84,6 +84,12 @@ def _to_float(value) -> float:
     return x if math.isfinite(x) else math.nan
 
 
+def row_columns(rows: list[dict]) -> dict[str, list]:
+    """Dataset rows -> the per-field lists reward functions receive as keyword arguments."""
+    keys = [k for k in rows[0] if k != "prompt"] if rows else []
+    return {k: [row.get(k) for row in rows] for k in keys}
+
+
 def score_completions(
     rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
 ) -> RewardResult:

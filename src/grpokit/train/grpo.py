@@ -23,6 +23,7 @@ from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantage
 from grpokit.metrics import MetricsWriter, truncate_metrics
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
+from grpokit.rewards.scoring import row_columns
 from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
@@ -246,9 +247,7 @@ class GRPOTrainer:
         if not self.rewards:  # process supervision alone: every sample is scored by the PRM
             n = rollout.num_samples
             return RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
-        keys = [k for k in rollout.rows[0] if k != "prompt"] if rollout.rows else []
-        columns = {k: [row.get(k) for row in rollout.rows] for k in keys}
-        result = score_completions(self.rewards, rollout.prompts, rollout.completions, columns)
+        result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows))
         failed_everywhere = set(result.all_failed())
         for name in self._failed_streak:
             self._failed_streak[name] = self._failed_streak[name] + 1 if name in failed_everywhere else 0

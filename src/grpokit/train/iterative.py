@@ -66,8 +66,7 @@ class RewardModelStage:
     def _questions(self, round_index: int) -> list[dict]:
         n = self.config.num_questions
         start = (round_index * n) % max(1, len(self.rows))
-        picked = (self.rows[start:] + self.rows[:start])[:n]
-        return picked
+        return (self.rows[start:] + self.rows[:start])[:n]
 
     def train_round(self, policy, round_index: int) -> dict:
         """Sample from `policy`, label, fit on new data (+ the replay buffer), evaluate on held-out
