@@ -1,64 +1,78 @@
-"""Command line: `grpokit demo | sft | train`. Every config key is an override: --key=value."""
+"""Command line: `grpokit demo | sft | train | train-rm | bench`. Every config key is an
+override, --key=value or --key value; every subcommand spells its shared options the same way."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from importlib import resources
 
-from grpokit.config import Config, ConfigError, describe, load_config
+import yaml
+
+from grpokit.config import Config, ConfigError, describe, load_config, resolve_key
 
 EPILOG = "config keys (YAML or --key=value; a bare leaf name works when unique):\n" + describe(Config)
+DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
+# A learned reward is easier to exploit than a verifier: where the reward model cannot check the
+# arithmetic (it learns that worked solutions tend to be right, not which ones are), a firmer
+# KL anchor keeps the policy's arithmetic from drifting while it learns to show its steps. The
+# demo's model-reward variants use this beta unless one is given (README: reward models).
+REWARD_MODEL_BETA = 0.2
+COMMANDS = {
+    "demo": "SFT a tiny model, GRPO it, show the before/after table (CPU, minutes); the stages of presets/demo.yaml",
+    "sft": "SFT model.name_or_path on data.sft_sources (default: the built-in task's demonstrations)",
+    "train": "RL (GRPO or PPO) from model.name_or_path on data.sources (default: the built-in task), "
+             "evaluating held-out questions before and after",
+    "train-rm": "train an outcome (Bradley-Terry) or, with --process, a process reward model",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO (DeepSeekMath) for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic")
-    demo = sub.add_parser("demo", help="SFT a tiny model, GRPO it, show the before/after table (CPU, minutes)",
-                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_argument("config", nargs="?", help="optional YAML config; defaults are the embedded demo")
-    demo.add_argument("--output-dir", help="run directory (default runs/demo)")
-    demo.add_argument("--seed", type=int, help="seed (default 0)")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench = sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for name, text in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("config", nargs="?", help="YAML config" + (" laid over the demo preset" if name == "demo" else ""))
+        p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="run directory (config key output_dir)")
+        p.add_argument("--seed", type=int, help="seed (config key seed)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo, train, rm = (sub.choices[n] for n in ("demo", "train", "train-rm"))
     demo.add_argument("--reward", choices=["rule", "model"],
                       help="rule: the verifier (default); model: a reward model trained on pi_SFT's graded samples")
     demo.add_argument("--supervision", choices=["outcome", "process"],
                       help="outcome (default), or process: a process reward model scores each step (eq. 6)")
     demo.add_argument("--iterative", type=int, metavar="K",
                       help="iterative GRPO with K iterations, refreshing the reward model (implies --reward model)")
-    for name, text in (("train", "GRPO from model.name_or_path on data.sources (default: the built-in task)"),
-                       ("sft", "SFT model.name_or_path on data.sft_sources (default: the built-in task's demos)")):
-        p = sub.add_parser(name, help=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("config", nargs="?", help="YAML config")
-        p.add_argument("--quiet", action="store_true", help="no progress bars")
-        if name == "train":
-            p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
-                           help="continue exactly from the latest intact checkpoint of output_dir, or from PATH")
-            p.add_argument("--force", action="store_true", help="resume even if the config changed")
-    rm = sub.add_parser("train-rm", help="train an outcome (Bradley-Terry) or, with --process, a process reward model",
-                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rm.add_argument("config", nargs="?", help="YAML config (model.name_or_path initialises the reward model)")
+    train.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                       help="continue exactly from the latest intact checkpoint of output_dir, or from PATH")
+    train.add_argument("--force", action="store_true", help="resume even if the config changed")
     rm.add_argument("--process", action="store_true", help="a process reward model: one score per step")
     rm.add_argument("--data", default="", metavar="FILE",
                     help="JSONL/JSON/Parquet of (prompt, chosen, rejected) pairs, or (prompt, completion, correct) "
                          "graded samples; with --process, (prompt, completion|steps, labels). Default: the "
-                         "policy's own samples on the built-in task, graded by rule")
-    rm.add_argument("--quiet", action="store_true", help="no progress bars")
+                         "policy's own samples on the task, graded by rule")
     return parser
 
 
-OWN_OPTIONS = {"--output-dir", "--seed", "--quiet", "--help", "-h", "--resume", "--force", "--reward",
-               "--supervision", "--iterative", "--process", "--data", "--init"}
+def own_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string a subcommand defines itself (all else is a config key)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {o for p in sub.choices.values() for a in p._actions for o in a.option_strings}
 
 
 def join_override_values(argv: list[str]) -> list[str]:
     """`--key value` -> `--key=value` for config keys, so a value is never taken for the CONFIG path."""
+    own = own_options(_parser()) - {"--output-dir", "--output_dir", "--seed"}
     out: list[str] = []
     i = 0
     while i < len(argv):
         item = argv[i]
-        is_key = item.startswith("--") and "=" not in item and item not in OWN_OPTIONS
+        is_key = item.startswith("--") and "=" not in item and item not in own
         if is_key and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             out.append(f"{item}={argv[i + 1]}")
             i += 2
@@ -83,22 +97,16 @@ def demo_variant_overrides(args) -> list[str]:
     return out
 
 
-def _user_set(key: str, config_path: str | None, overrides: list[str]) -> bool:
-    """Whether the YAML file or an override sets dotted `key` (so a default must not replace it)."""
-    from grpokit.config import resolve_key
-
-    for item in overrides:
-        if resolve_key(item.removeprefix("--").split("=", 1)[0]) == key:
-            return True
-    if config_path:
-        import yaml
-
-        node = yaml.safe_load(open(config_path)) or {}
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
+def _user_set(key: str, config: list[str], overrides: list[str]) -> bool:
+    """Whether a user's YAML file or an override sets dotted `key` (so a default must not replace it)."""
+    if any(resolve_key(item.removeprefix("--").split("=", 1)[0]) == key for item in overrides):
         return True
+    for path in config:
+        node = yaml.safe_load(open(path)) or {}
+        for part in key.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if node != {}:
+            return True
     return False
 
 
@@ -120,33 +128,31 @@ def bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    if argv_list[:1] == ["bench"]:
-        return bench(argv_list[1:])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv[:1] == ["bench"]:
+        return bench(parser.parse_args(argv).bench_args)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
-    argv = join_override_values(argv_list)
+    argv = join_override_values(argv)
+    own = own_options(parser)
     # Config overrides bypass argparse, which would take a value with spaces for the CONFIG path.
-    overrides = [a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in OWN_OPTIONS]
-    args, unknown = _parser().parse_known_args([a for a in argv if a not in overrides])
+    overrides = [a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in own]
+    args, unknown = parser.parse_known_args([a for a in argv if a not in overrides])
     overrides += unknown
-    if getattr(args, "output_dir", None):
+    if args.output_dir:
         overrides.append(f"--output_dir={args.output_dir}")
-    if getattr(args, "seed", None) is not None:
+    if args.seed is not None:
         overrides.append(f"--seed={args.seed}")
     overrides += demo_variant_overrides(args)
+    user_files = [args.config] if args.config else []
+    files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
-        config = load_config(args.config, overrides)  # fails here, before any model loads
-    except ConfigError as err:
-        print(f"grpokit: config error: {err}", file=sys.stderr)
-        return 2
-    if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", args.config,
-                                                                                         overrides):
-        from grpokit.demo import REWARD_MODEL_BETA
-
-        config.grpo.beta = REWARD_MODEL_BETA
-    try:
+        config = load_config(files, overrides)  # fails here, before any model loads
+        if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", user_files,
+                                                                                             overrides):
+            config.grpo.beta = REWARD_MODEL_BETA
         return _run(args, config)
     except ConfigError as err:
         print(f"grpokit: config error: {err}", file=sys.stderr)
@@ -163,31 +169,27 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.checkpoint import CheckpointError
     from grpokit.data.files import DatasetError
+    from grpokit.models.loading import ModelNotFound
     from grpokit.runlock import RunDirectoryLocked
-    from grpokit.train.grpo import NonFiniteTraining, RewardFailure
+    from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
-    return (CheckpointError, DatasetError, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
+    return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
             RewardModelDataError)
 
 
 def _run(args, config) -> int:
+    from grpokit import pipeline
+
+    progress = not args.quiet
     if args.command == "demo":
-        from grpokit.demo import run_demo
-
-        run_demo(config, progress=not args.quiet)
+        pipeline.run_demo(config, progress)
     elif args.command == "train-rm":
-        from grpokit.pipeline import run_train_rm
-
-        run_train_rm(config, progress=not args.quiet, data=args.data)
+        pipeline.run_train_rm(config, progress, data=args.data)
     elif args.command == "train":
-        from grpokit.pipeline import run_train
-
-        run_train(config, progress=not args.quiet, resume=args.resume, force=args.force)
+        pipeline.run_train(config, progress, resume=args.resume, force=args.force)
     else:
-        from grpokit.pipeline import run_sft
-
-        run_sft(config, progress=not args.quiet)
+        pipeline.run_sft(config, progress)
     return 0
 
 

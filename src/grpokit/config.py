@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import pydantic
 import yaml
 
 
@@ -88,6 +88,10 @@ class DataSource:
 class DataConfig:
     sources: list[DataSource] = opt([], "RL prompt sources (files or datasets names); empty = the built-in task")
     sft_sources: list[DataSource] = opt([], "SFT sources with worked solutions; empty = the built-in task")
+    eval_sources: list[DataSource] = opt([], "held-out evaluation sources (e.g. a test split); empty = a "
+                                             "heldout_fraction of the sources' questions")
+    heldout_fraction: float = opt(0.05, "share of the sources' questions held out for evaluation when "
+                                        "eval_sources is empty (split by a hash of the prompt)")
     template: str = opt("cot", "prompt template: cot (DeepSeekMath's step-by-step + \\boxed instruction), none, "
                                "or a custom string containing {question}")
     chat_template: Literal["auto", "on", "off"] = opt(
@@ -191,7 +195,16 @@ class IterativeConfig:
 
 
 @dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = opt("hf", "what samples completions: hf (transformers' generate) or vllm "
+                                              "(a colocated vLLM engine, synced after every optimizer step)")
+    kv_cache_gb: float = opt(1.0, "vllm: memory its KV cache may take, in GiB")
+    sleep_mode: bool = opt(True, "vllm on CUDA: free the KV cache during the update (enable_sleep_mode)")
+
+
+@dataclass
 class EvalConfig:
+    before: bool = opt(True, "evaluate the held-out questions before training too (the before/after table)")
     k: int = opt(8, "samples per question for pass@k and maj@k")
     temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
     batch_size: int = opt(512, "completions per generate call")
@@ -213,84 +226,89 @@ class Config:
                                                           "(may be [] when a reward model gives the reward)")
     reward_model: RewardModelConfig = opt(RewardModelConfig, "a learned outcome or process reward model")
     iterative: IterativeConfig = opt(IterativeConfig, "iterative GRPO: refresh the reward model between iterations")
+    rollout: RolloutConfig = opt(RolloutConfig, "the rollout engine that samples completions")
     eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
+    stages: list[Literal["sft", "train"]] = opt(["train"], "what `grpokit demo` runs: sft (train pi_SFT on the "
+                                                           "task's demonstrations), then train (RL from it)")
 
+
+def _forbid_unknown_keys(cls) -> None:
+    """Every section of the tree refuses keys it does not define (a typo is an error, never ignored)."""
+    cls.__pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+    for tp in typing.get_type_hints(cls).values():
+        for inner in (tp, *typing.get_args(tp)):
+            if dataclasses.is_dataclass(inner):
+                _forbid_unknown_keys(inner)
+
+
+_forbid_unknown_keys(Config)
 
 # --------------------------------------------------------------------------- loading
+# pydantic validates the dataclass tree (types, Literals, nested sections, unknown keys); its
+# errors are re-worded here so a message names the dotted key and says what was expected.
+
+_EXPECTED = {"int": "expected an integer", "float": "expected a number", "bool": "expected true or false",
+             "string": "expected a string", "list": "expected a list", "dataclass": "expected a mapping of keys",
+             "dict": "expected a mapping of keys", "none": "expected null"}
 
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp, key: str):
-    """Check `value` against annotation `tp`; ints are accepted for floats."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
-        return from_dict(tp, value, prefix=f"{key}.")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # PyYAML reads 1e-6 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+def _dotted(loc: tuple) -> str:
+    key = ""
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+        elif not part[:1].isupper() and part not in ("function-after", "tagged-union"):  # skip pydantic's type tags
+            key += f".{part}" if key else part
+    return key
 
 
-def from_dict(cls, data: dict, prefix: str = ""):
+def _config_error(err: pydantic.ValidationError, cls) -> ConfigError:
+    """The first validation error, named by its dotted key, with a 'did you mean' for unknown keys."""
+    first = err.errors(include_url=False)[0]
+    key, kind, value = _dotted(first["loc"]), first["type"], first.get("input")
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        parent, _, leaf = key.rpartition(".")
+        names = [k.rsplit(".", 1)[-1] for k in _section_keys(cls, parent)]
+        close = difflib.get_close_matches(leaf, names, n=1)
+        prefix = f"{parent}." if parent else ""
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {', '.join(names)}"
+        return ConfigError(f"unknown config key '{key}'{hint}")
+    if kind == "literal_error":
+        return ConfigError(f"{key}: {value!r} is not one of {_literal_choices(cls, key)}")
+    expected = next((text for name, text in _EXPECTED.items() if kind.startswith(name)), first["msg"])
+    return ConfigError(f"{key}: {expected}, got {type(value).__name__} {value!r}")
+
+
+def _section_keys(cls, dotted: str) -> list[str]:
+    """Field names of the section at `dotted` ('' = top level; list items by their item type)."""
+    for part in filter(None, dotted.split(".")):
+        tp = typing.get_type_hints(cls)[part.split("[")[0]]
+        cls = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _literal_choices(cls, dotted: str) -> list:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tp = typing.get_type_hints(cls)[part.split("[")[0]]
+        cls = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+    tp = typing.get_type_hints(cls)[leaf]
+    return [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is Literal else \
+        [c for a in typing.get_args(tp) for c in typing.get_args(a)]
+
+
+def from_dict(cls, data: dict):
     """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
-    return cls(**kwargs)
+        raise ConfigError(f"config: expected a mapping, got {data!r}")
+    try:
+        return pydantic.TypeAdapter(cls).validate_python(data)
+    except pydantic.ValidationError as err:
+        raise _config_error(err, cls) from None
 
 
 def _leaf_paths(cls, prefix: str = "") -> dict[str, tuple]:
@@ -341,26 +359,35 @@ def apply_overrides(data: dict, overrides: list[str], cls=Config) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=Config):
-    """Config from an optional YAML file plus overrides, fully validated."""
+def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config):
+    """Config from optional YAML files (later files override earlier ones, key by key) plus
+    overrides, fully validated."""
     data: dict = {}
-    if path is not None:
-        p = Path(path)
+    paths = [p for p in (path if isinstance(path, list) else [path]) if p is not None]
+    for p in map(Path, paths):
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            layer = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: not valid YAML ({err})") from err
-        if not isinstance(data, dict):
+        if not isinstance(layer, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+        data = _merge(data, layer)
     data = apply_overrides(data, overrides or [], cls)
     try:
         config = from_dict(cls, data)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err}" if path else str(err)) from None
+        raise ConfigError(f"{paths[-1]}: {err}" if paths else str(err)) from None
     validate(config)
     return config
+
+
+def _merge(base: dict, layer: dict) -> dict:
+    out = dict(base)
+    for key, value in layer.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate(config: Config) -> None:
@@ -403,6 +430,8 @@ def validate(config: Config) -> None:
         (all(r.timeout_s is None or r.timeout_s > 0 for r in config.rewards), "rewards[].timeout_s must be > 0 or null"),
         (config.data.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {config.data.max_prompt_length}"),
         (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
+        (0 <= config.data.heldout_fraction < 1, "data.heldout_fraction must lie in [0, 1)"),
+        (config.rollout.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {config.rollout.kv_cache_gb}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -437,7 +466,8 @@ def describe(cls=Config) -> str:
 RESUME_SAFE_KEYS = (
     "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
     "grpo.generation_batch_size", "grpo.max_failed_steps", "grpo.max_nonfinite_steps", "model.device",
-    "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size",
+    "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages",
+    "rollout.kv_cache_gb",
 )
 
 

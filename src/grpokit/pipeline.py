@@ -1,30 +1,38 @@
-"""`grpokit sft`, `grpokit train-rm` and `grpokit train`: the demo's stages one at a time, on any checkpoint."""
+"""The stages and their one composition. `grpokit sft`, `train-rm` and `train` run one stage
+each on any checkpoint; `grpokit demo` runs the stages its preset (presets/demo.yaml) lists,
+the same code: SFT -> pi_SFT saved and reloaded through the hub loader -> RL -> the table.
+
+`train` evaluates the task's held-out questions before and after RL (eval.before), writes the
+before/after table (results.md), summary.json and the reward curve. With a learned reward
+(reward_model.kind), round 0 trains the reward model on pi_SFT's own samples graded by rule,
+unless reward_model.path gives one; iterative.iterations > 1 refreshes it between iterations.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
 from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint
 from grpokit.config import Config, ConfigError, resume_differences, to_dict
-from grpokit.data.files import filter_long_prompts
-from grpokit.data.sources import build_rows, check_sources
+from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
+from grpokit.data.reward_data import pairs_from_graded, read_graded_samples, read_preference_pairs, read_step_labels
+from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
-from grpokit.models import load_model_and_tokenizer
 from grpokit.runlock import RunLock
-from grpokit.stages import (
-    evaluate_chain,
-    load_policy,
-    make_trainer,
-    start_run,
-    task_splits,
-)
+from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
+from grpokit.rollout import make_engine
+from grpokit.tasks import task_for
+from grpokit.tasks.base import evaluate_task
 from grpokit.train.grpo import frozen_copy
-from grpokit.train.iterative import latest_iteration, run_iterations
+from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations
+from grpokit.train.reward_model import evaluate_reward_model, fit_reward_model, split_by_prompt
 from grpokit.train.sft import sft_train
 
 
@@ -34,16 +42,36 @@ def run_sft(config: Config, progress: bool = True) -> Path:
     with RunLock(config.output_dir):
         run_dir = start_run(config)
         model, tokenizer = load_policy(config)
-        if config.data.sft_sources:
-            rows = build_rows(config.data.sft_sources, config.data, tokenizer, sft=True)
-            rows = _limit_prompts(rows, config, tokenizer)
-            pairs = [(r["prompt"], r["completion"]) for r in rows]
-        else:
-            pairs = [(r["prompt"], r["solution"]) for r in task_splits(config)[0]]
-        sft_train(model, tokenizer, pairs, config.sft, seed=config.seed, progress=progress)
+        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)
+        if not demos:
+            raise ConfigError("no SFT demonstrations: set data.sft_sources to files with worked solutions")
+        losses = sft_train(model, tokenizer, [(r["prompt"], r["completion"]) for r in demos], config.sft,
+                           seed=config.seed, progress=progress)
         path = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
-    print(f"saved {path}")
+    print(f"saved {path} ({len(demos)} demonstrations, final loss {losses[-1]:.4f})")
     return path
+
+
+def run_demo(config: Config, progress: bool = True) -> dict:
+    """The preset's stages in order: SFT (unless sft.checkpoint gives pi_SFT), then RL from it."""
+    started = time.perf_counter()
+    sft_dir = config.sft.checkpoint
+    if sft_dir and not (Path(sft_dir) / "config.json").is_file():
+        raise ConfigError(f"sft.checkpoint {sft_dir!r} is not a saved model (no config.json there); "
+                          "point it at a run's checkpoints/sft directory")
+    if "sft" in config.stages and not sft_dir:
+        sft_dir = str(run_sft(config, progress))
+    elif sft_dir:
+        print(f"pi_SFT from {sft_dir} (sft.checkpoint); no SFT in this run")
+    sft_seconds = time.perf_counter() - started
+    if "train" not in config.stages:
+        return {"checkpoint": sft_dir}
+    # pi_SFT enters RL through the same loader a hub checkpoint would.
+    rl_config = dataclasses.replace(config, model=dataclasses.replace(config.model, name_or_path=sft_dir or
+                                                                      config.model.name_or_path))
+    summary = run_train(rl_config, progress, timings={"sft_seconds": sft_seconds}, started=started)
+    return summary
 
 
 def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
@@ -71,21 +99,22 @@ def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
     return rows
 
 
-def rl_rows(config: Config, tokenizer) -> tuple[list[dict], list[dict] | None]:
-    """(RL prompt rows, held-out rows or None): from data.sources, or the built-in task."""
-    if not config.data.sources:
-        _, rows, heldout = task_splits(config)
-        return rows, heldout
-    rows = _limit_prompts(build_rows(config.data.sources, config.data, tokenizer), config, tokenizer)
-    return rows, None
+def _heldout_rows(rows: list[dict], config: Config, tokenizer) -> list[dict]:
+    """Held-out rows within data.max_prompt_length; none left means no evaluation, said once."""
+    try:
+        short, _ = filter_long_prompts(rows, tokenizer, config.data.max_prompt_length, "skip", "held-out rows")
+    except DatasetError:  # every held-out prompt is too long
+        short = []
+    if not short:
+        print("grpokit: no held-out questions (set data.eval_sources or data.heldout_fraction); "
+              "training without evaluation", file=sys.stderr)
+    return short
 
 
 def _keep_rounds(run_dir: Path, last: int) -> None:
     """Drop reward-model metrics rows of rounds after `last`: a resumed run redoes them."""
     path = run_dir / "reward_model_metrics.jsonl"
     if path.is_file():
-        import json
-
         rows = [line for line in path.read_text().splitlines() if json.loads(line).get("round", 0) <= last]
         path.write_text("".join(row + "\n" for row in rows))
 
@@ -101,94 +130,147 @@ def check_reward_model_setup(config: Config) -> None:
             "to it, and keep iterative.iterations=1")
 
 
-def _reward_model_for_run(config: Config, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
-                          boundary: Path | None):
+def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
+                          boundary: Path | None, engine):
     """The run's reward model: from an iteration boundary (with its replay buffer), from the one
     this run trained before (on resume), from reward_model.path, or trained now on the policy's
-    graded samples and saved as run_dir/reward_model."""
-    from grpokit.stages import reward_model_stage
-
+    graded samples (round 0) and saved as run_dir/reward_model."""
     if config.reward_model.kind == "none":
         return None
+    seed_everything(config.seed)  # the reward model's data does not depend on how pi_SFT was obtained
     own = run_dir / "reward_model"
+    stage_args = (config, task, policy, tokenizer, rows, run_dir, progress)
     if boundary is not None:
-        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(boundary / "reward_model"))
+        stage = reward_model_stage(*stage_args, path=str(boundary / "reward_model"), engine=engine)
         shutil.copyfile(boundary / "replay_buffer.jsonl", stage.buffer.path)
         stage.buffer.load()
         _keep_rounds(run_dir, int(boundary.name.split("-")[1]))
         return stage
     if checkpoint is not None and not config.reward_model.path and (own / "config.json").is_file():
-        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress, path=str(own))
+        stage = reward_model_stage(*stage_args, path=str(own), engine=engine)
         stage.buffer.load()  # round 0's replay share, which the next refresh must keep
         _keep_rounds(run_dir, 0)
         return stage
-    stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)
+    stage = reward_model_stage(*stage_args, engine=engine)
     if not config.reward_model.path:
-        for stale in ("reward_model_metrics.jsonl", "replay_buffer.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
         metrics = stage.train_round(policy, 0)
         stage.save(own, metrics)
+        print(f"{config.reward_model.kind} reward model, held-out: {rm_headline(metrics)}")
     return stage
 
 
-def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False) -> Path:
-    """GRPO from model.name_or_path; with `resume`, continue exactly from the latest intact
-    checkpoint of output_dir (or from the path given)."""
-    check_sources(config.data.sources, config.data.skip_malformed_lines)  # file errors before any model loads
+def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path | None, Path | None]:
+    """(checkpoint to resume from, iteration boundary) or (None, None) for a fresh run."""
+    if not resume:
+        return None, None
+    boundary = latest_iteration(config.output_dir) if config.iterative.iterations > 1 else None
+    if boundary is not None and resume is not True:
+        print(f"grpokit: iterative runs resume at their last iteration boundary ({boundary}), "
+              f"not at {resume}", file=sys.stderr)
+    checkpoint = boundary / "policy" if boundary is not None else \
+        find_resume_checkpoint(config.output_dir, None if resume is True else resume)
+    check_resume_config(checkpoint, config, force)
+    return checkpoint, boundary
+
+
+def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
+              timings: dict | None = None, started: float | None = None) -> dict:
+    """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
+    intact checkpoint of output_dir (or from the path given). Returns the run's summary."""
+    started = started or time.perf_counter()
+    for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
+        check_sources(sources, config.data.skip_malformed_lines)
     check_reward_model_setup(config)
     with RunLock(config.output_dir):
-        checkpoint = None
-        boundary = latest_iteration(config.output_dir) if resume and config.iterative.iterations > 1 else None
-        if boundary is not None and resume is not True:
-            print(f"grpokit: iterative runs resume at their last iteration boundary ({boundary}), "
-                  f"not at {resume}", file=sys.stderr)
-        if boundary is not None:  # iterative GRPO resumes at its last complete iteration boundary
-            checkpoint = boundary / "policy"
-            check_resume_config(checkpoint, config, force)
-        elif resume:
-            checkpoint = find_resume_checkpoint(config.output_dir, None if resume is True else resume)
-            check_resume_config(checkpoint, config, force)
-        run_dir = start_run(config)
-        initial, tokenizer = load_policy(config)  # the frozen reference is always the initial policy
-        rows, heldout = rl_rows(config, tokenizer)
+        checkpoint, boundary = _resume_point(config, resume, force)
+        run_dir = start_run(config, fresh=checkpoint is None)
+        task = task_for(config)
         if checkpoint is None:
-            model, ref_model = initial, None
-        else:
-            m = config.model
-            model, _ = load_model_and_tokenizer(str(checkpoint), m.dtype, m.device, m.attn_implementation,
-                                                m.trust_remote_code)
-            ref_model = frozen_copy(initial) if config.grpo.beta > 0 else None
-        stage = _reward_model_for_run(config, model, tokenizer, rows, run_dir, progress, checkpoint, boundary)
+            model, tokenizer = load_policy(config)
+            ref_model = None
+        else:  # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
+            model, tokenizer = load_policy(config, str(checkpoint))
+            ref_model = frozen_copy(load_policy(config)[0]) if config.grpo.beta > 0 else None
+        data = task.data(tokenizer, sft=False)
+        rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
+        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"{len(rows)} RL questions, {len(heldout)} held-out questions")
+        engine = make_engine(config.rollout, model, tokenizer, config.grpo.max_completion_length, config.seed)
+        before = None
+        if heldout and config.eval.before and checkpoint is None:
+            before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
+        stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
+                                      engine)
+        seed_everything(config.seed)
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
-                               reward_scorer=stage.scorer if stage else None)
+                               reward_scorer=stage.scorer if stage else None, engine=engine)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
+        rl_started = time.perf_counter()
         start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
         history = run_iterations(trainer, stage, config.iterative.iterations, start=start)
         final = trainer.checkpoints.latest()
         if trainer.interrupted:
-            return final
-        if heldout is not None:
-            result = evaluate_chain(model, tokenizer, heldout, config)
-            plot_reward_curve(history, run_dir / "reward_curve.png", final=result.greedy_accuracy)
-            print(f"held-out greedy accuracy {result.greedy_accuracy:.1%}, pass@{result.k} {result.pass_at_k:.1%}")
-    print(f"final checkpoint {final}")
-    return final
+            print("stopped before the final evaluation; the checkpoint above is loadable with from_pretrained")
+            return {"interrupted": True, "checkpoint": str(final)}
+        summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final), **(timings or {}),
+                   "rl_seconds": time.perf_counter() - rl_started}
+        if heldout:
+            after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            summary.update(_report(config, task, run_dir, history, before, after))
+        summary["wall_seconds"] = time.perf_counter() - started
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
+    return summary
+
+
+def format_table(task, before, after, algo: str = "grpo") -> str:
+    """The before/after table of held-out accuracy (and the task's own rates)."""
+    k, name = after.k, algo.upper()
+    rates = [(key, task.report(before)[key] if before else None, value) for key, value in task.report(after).items()]
+    rows = [("greedy accuracy", before and before.greedy_accuracy, after.greedy_accuracy),
+            (f"pass@{k}", before and before.pass_at_k, after.pass_at_k),
+            (f"maj@{k}", before and before.maj_at_k, after.maj_at_k), *rates]
+    lines = [f"held-out questions: {after.num_questions}", f"{'metric':<16} {'before':>7} {name:>7} {'change':>8}"]
+    for label, b, a in rows:
+        change = f"{100 * (a - b):>+7.1f}pt" if b is not None else f"{'':>9}"
+        lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} {a:>7.1%} {change}")
+    return "\n".join(lines)
+
+
+def _report(config: Config, task, run_dir: Path, history: list[dict], before, after) -> dict:
+    """Print and write the before/after table and the reward curve; the summary's results."""
+    table = format_table(task, before, after, config.algo)
+    print(table)
+    print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
+    (run_dir / "results.md").write_text(table + "\n")
+    plot_reward_curve(history, run_dir / "reward_curve.png",
+                      title=f"grpokit {config.algo.upper()} (seed {config.seed})",
+                      baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
+    refreshes = run_dir / "reward_model_metrics.jsonl"
+    rm_rounds = [json.loads(line) for line in refreshes.read_text().splitlines()] if refreshes.is_file() else []
+    out = {
+        "reward": "rule" if config.reward_model.kind == "none" else "model",
+        "supervision": "process" if config.reward_model.kind == "process" else "outcome",
+        "iterations": config.iterative.iterations,
+        "reward_model": next((r for r in rm_rounds if r.get("round", 0) == 0), None),
+        "reward_model_refreshes": [r for r in rm_rounds if r.get("round", 0) > 0],
+        "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
+        **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
+    }
+    if before is not None:
+        out.update({"sft_accuracy": before.greedy_accuracy, "sft": before.as_dict(),
+                    "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
+                    **{f"sft_{key.replace(' ', '_')}": value for key, value in task.report(before).items()}})
+    return out
 
 
 def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int,
                           max_pairs_per_prompt: int = 8) -> list:
     """Training examples from a file: preference pairs (prompt, chosen, rejected), graded samples
     (prompt, completion, correct) made into pairs, or step-labelled samples for a process RM."""
-    from grpokit.data.files import read_file_records
-    from grpokit.data.reward_data import (
-        pairs_from_graded,
-        read_graded_samples,
-        read_preference_pairs,
-        read_step_labels,
-    )
-
     if kind == "process":
         return read_step_labels(path, delimiter, skip_malformed)
     records, _ = read_file_records(path, skip_malformed=True)
@@ -203,15 +285,6 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
     """Train an outcome (Bradley-Terry) or process (per-step BCE) reward model, initialised from
     model.name_or_path (or a fresh tiny model), on `data` or on the policy's own graded samples.
     Saves output_dir/reward_model in Hugging Face format with its held-out accuracy."""
-    import json
-
-    from grpokit.stages import reward_model_stage
-    from grpokit.train.reward_model import (
-        evaluate_reward_model,
-        fit_reward_model,
-        split_by_prompt,
-    )
-
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
@@ -220,8 +293,10 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
         examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
                                          config.seed, rm.max_pairs_per_prompt) if data else None
         policy, tokenizer = load_policy(config)
-        rows, _ = rl_rows(config, tokenizer) if not data else ([], None)
-        stage = reward_model_stage(config, policy, tokenizer, rows, run_dir, progress)
+        task = task_for(config)
+        rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer) if not data else []
+        engine = make_engine(config.rollout, policy, tokenizer, config.grpo.max_completion_length, config.seed)
+        stage = reward_model_stage(config, task, policy, tokenizer, rows, run_dir, progress, engine=engine)
         if examples is None:
             metrics = stage.train_round(policy, 0)
         else:
@@ -229,7 +304,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
             losses = fit_reward_model(stage.scorer, train, rm, seed=config.seed, progress=progress)
             metrics = {"round": 0, "new_examples": len(train), "heldout_examples": len(heldout),
                        "final_loss": losses[-1], **evaluate_reward_model(stage.scorer, heldout)}
-        del policy
+        del policy, engine
         path = stage.save(run_dir / "reward_model", metrics)
     print(json.dumps(metrics, indent=2))
     print(f"saved {path} ({rm.kind} reward model)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,8 @@ class Rollout:
     completion_mask: [N, T] 1 on completion tokens up to and including the first EOS
     truncated:       [N] True where the completion hit max_new_tokens without an EOS
     prompt_length:   P, the padded prompt width; completions start at column P
+    sampled_mask:    [N, T] 1 on tokens the policy sampled (0 on injected tool output); None = completion_mask
+    sampling_logp:   [N, T] each sampled token's log-prob under the engine that sampled it, or None
     """
 
     prompts: list[str]
@@ -27,6 +30,8 @@ class Rollout:
     prompt_length: int
     group_size: int
     rows: list[dict] = field(default_factory=list)  # dataset row of each sample, repeated G times
+    sampled_mask: torch.Tensor | None = None
+    sampling_logp: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -52,17 +57,7 @@ class Rollout:
         """[N] number of completion tokens, EOS included."""
         return self.completion_mask.sum(dim=1)
 
-    def select(self, index: torch.Tensor) -> "Rollout":
-        """Rows `index` as a new rollout (used for minibatches; groups need not stay whole)."""
-        idx = index.tolist()
-        return Rollout(
-            prompts=[self.prompts[i] for i in idx],
-            completions=[self.completions[i] for i in idx],
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            completion_mask=self.completion_mask[index],
-            truncated=self.truncated[index],
-            prompt_length=self.prompt_length,
-            group_size=1,
-            rows=[self.rows[i] for i in idx] if self.rows else [],
-        )
+    def to(self, device: torch.device | str) -> "Rollout":
+        """The same rollout with every tensor on `device` (the policy's): moved once, explicitly."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from math import comb
 
-from grpokit.rollout import SamplingParams, sample_groups
+from grpokit.rollout import HFEngine, SamplingParams
 
 
 @dataclass
@@ -53,26 +53,37 @@ def evaluate(
     batch_size: int = 512,
     equivalent: Callable[[str, str], bool] = _string_equal,
     answer_key: str = "answer",
+    engine=None,
+    grade: Callable[[list[dict], list[str]], list[bool]] | None = None,
 ) -> EvalResult:
-    """Greedy accuracy, and pass@k / maj@k from k samples at `temperature`.
+    """Greedy accuracy, and pass@k / maj@k from k samples at `temperature`, sampled through
+    `engine` (default: transformers' generate on `model`).
 
     rows: dicts with "prompt" and `answer_key`. A completion is correct when its extracted
-    answer is `equivalent` to the reference; maj@k votes over the extracted answers.
+    answer is `equivalent` to the reference, or by `grade(rows, completions)` when given (a
+    verifier such as math-verify); maj@k votes over the extracted answers.
     """
     if not rows:
         raise ValueError("evaluate got no rows")
+    engine = engine or HFEngine(model, tokenizer)
 
-    def correct(answer: str | None, row: dict) -> bool:
-        return answer is not None and equivalent(answer, str(row[answer_key]))
+    def judge(rows_: list[dict], completions: list[str]) -> list[bool]:
+        if grade is not None:
+            return [bool(ok) for ok in grade(rows_, completions)]
+        return [(a := extract_answer(c)) is not None and equivalent(a, str(r[answer_key]))
+                for r, c in zip(rows_, completions)]
 
     prompts = [r["prompt"] for r in rows]
-    greedy = sample_groups(model, tokenizer, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
-    greedy_hits = sum(correct(extract_answer(c), row) for c, row in zip(greedy.completions, rows))
-    sampled = sample_groups(model, tokenizer, prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
+    greedy = engine.generate(prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
+    greedy_hits = sum(judge(rows, greedy.completions))
+    sampled = engine.generate(prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
+    hits = judge([row for row in rows for _ in range(k)], sampled.completions)
     passes = majority = 0.0
-    for q, row in enumerate(rows):
+    for q in range(len(rows)):
         answers = [extract_answer(c) for c in sampled.completions[q * k : (q + 1) * k]]
-        passes += pass_at_k(k, sum(correct(a, row) for a in answers), k)
-        majority += correct(majority_answer(answers), row)
+        group_hits = hits[q * k : (q + 1) * k]
+        passes += pass_at_k(k, sum(group_hits), k)
+        voted = majority_answer(answers)  # the majority answer is right when a sample giving it was judged right
+        majority += voted is not None and any(ok for a, ok in zip(answers, group_hits) if a == voted)
     n = len(rows)
     return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy.completions)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
+
+
+class ModelNotFound(ValueError):
+    """model.name_or_path is neither a local model directory nor a hub id that loads here."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -39,7 +45,14 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # transformers' "Repo id must use alphanumeric chars", offline misses
+        if os.path.isdir(name_or_path):
+            raise
+        raise ModelNotFound(f"model {name_or_path!r} is neither a local directory nor a hub id reachable "
+                            f"{'offline' if os.environ.get('HF_HUB_OFFLINE') else 'from here'} "
+                            f"({type(err).__name__}); check model.name_or_path") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token; add one")

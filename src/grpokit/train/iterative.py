@@ -24,6 +24,7 @@ from grpokit.checkpoint import save_checkpoint
 from grpokit.config import RewardModelConfig
 from grpokit.data.reward_data import write_jsonl
 from grpokit.rewards.learned import RewardModelInfo, save_reward_model
+from grpokit.rollout import HFEngine
 from grpokit.train.reward_model import (
     ReplayBuffer,
     RewardModelDataError,
@@ -55,6 +56,7 @@ class RewardModelStage:
     run_dir: Path
     seed: int = 0
     progress: bool = True
+    engine: object = None  # the policy's rollout engine; None: transformers' generate on the policy given
 
     def __post_init__(self) -> None:
         self.buffer = ReplayBuffer(self.run_dir / "replay_buffer.jsonl", self.config.replay_fraction, self.seed)
@@ -72,7 +74,8 @@ class RewardModelStage:
         """Sample from `policy`, label, fit on new data (+ the replay buffer), evaluate on held-out
         questions of this round, add to the buffer. Round 0 trains the initial reward model."""
         cfg = self.config
-        rows, completions = sample_completions(policy, self.tokenizer, self._questions(round_index), cfg,
+        engine = self.engine or HFEngine(policy, self.tokenizer)
+        rows, completions = sample_completions(engine, self._questions(round_index), cfg,
                                                self.max_new_tokens, progress=self.progress)
         examples = build_examples(self.kind, rows, completions, self.grade, self.step_labeller, cfg,
                                   self.seed + round_index)

@@ -1,7 +1,7 @@
 """PPO as DeepSeekMath describes it (SPEC.md eq. 1-2): the baseline GRPO removes.
 
-Same rollout, rewards, checkpointing and loop as GRPO (it subclasses GRPOTrainer); only the
-learning part differs:
+Same rollout, rewards, checkpointing and training loop as GRPO (train/loop.py); only the
+learning step differs:
   per-token reward  r_t = -beta (log pi_old - log pi_ref)  (+ the scalar reward at the last token)
   advantages        GAE(gamma, lambda) over r_t and the critic's values V(s_t)
   policy            the clipped surrogate, per-output mean (no KL term: it is in the reward)
@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.math import gae_advantages, kl_k3, value_loss
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import RewardResult
-from grpokit.train.grpo import GRPOTrainer
+from grpokit.train.grpo import policy_logprobs, update_policy
+from grpokit.train.loop import Trainer
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -57,37 +59,61 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - (r - v).var() / r.var())
 
 
-class PPOTrainer(GRPOTrainer):
-    """GRPOTrainer's loop with PPO's learning step and a critic."""
+class PPO:
+    """PPO's learning step: a critic, GAE over KL-shaped token rewards, the clipped surrogate."""
 
-    def __init__(self, *args, ppo: PPOConfig | None = None, critic: torch.nn.Module | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ppo = ppo or PPOConfig()
-        cfg: GRPOConfig = self.config
+    name = "ppo"
+    process_reward = None
+
+    def __init__(self, ppo: PPOConfig | None = None, critic: torch.nn.Module | None = None):
+        self.ppo, self.critic = ppo or PPOConfig(), critic
+
+    @property
+    def config(self) -> GRPOConfig:
+        return self.trainer.config
+
+    def attach(self, trainer: Trainer) -> None:
+        self.trainer = trainer
         # PPO needs pi_ref whenever beta > 0 (the KL is in the reward), exactly like GRPO.
-        self.critic = critic if critic is not None else build_critic(self.model, self.ppo.critic_init)
+        if self.critic is None:
+            self.critic = build_critic(trainer.model, self.ppo.critic_init)
         self.critic.eval()  # no dropout in value estimates; gradients flow all the same
-        self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, cfg.weight_decay)
-        self.critic_scheduler = warmup_constant(self.critic_optimizer, cfg.warmup_steps)
+        self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, self.config.weight_decay)
+        self.critic_scheduler = warmup_constant(self.critic_optimizer, self.config.warmup_steps)
 
-    def learn(self, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor, timings: dict) -> dict:
+    def values(self, trainer: Trainer, rollout: Rollout, rows=None) -> torch.Tensor:
+        """[n, T] critic values V(s_t) of the completion tokens, moved to the policy's device."""
+        rows = slice(None) if rows is None else rows
+        values = token_values(self.critic, rollout.input_ids[rows], rollout.attention_mask[rows],
+                              rollout.prompt_length, self.config.micro_batch_size)
+        return values.to(trainer.device)
+
+    def learn(self, trainer: Trainer, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
+              timings: dict) -> dict:
         cfg, ppo = self.config, self.ppo
         t = time.perf_counter()
-        ref_logp, old_logp = self._fixed_logprobs(rollout, need_old=True)
+        ref_logp = policy_logprobs(trainer, trainer.ref_model, rollout) if cfg.beta > 0 else None
+        old_logp = policy_logprobs(trainer, trainer.model, rollout)
         with torch.no_grad():
-            old_values = token_values(self.critic, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
-                                      cfg.micro_batch_size)
+            old_values = self.values(trainer, rollout)
         timings["perf/logprob_time_s"] = time.perf_counter() - t
 
-        scores = torch.where(result.valid, result.total, torch.zeros_like(result.total)).float()
+        valid = result.valid.to(trainer.device)
+        scores = torch.where(valid, result.total.to(trainer.device), 0.0).float()
         rewards = shaped_token_rewards(scores, old_logp, ref_logp, loss_mask, cfg.beta)
         advantages, returns = gae_advantages(rewards, old_values * loss_mask, loss_mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
             advantages = whiten(advantages, loss_mask)
 
         t = time.perf_counter()
-        stats = self._update(rollout, advantages, loss_mask, None, old_logp, beta=0.0)
-        stats.update(self._update_critic(rollout, old_values, returns, loss_mask))
+        stats = update_policy(trainer, rollout, advantages, loss_mask, None, old_logp, beta=0.0)
+        sums, _ = trainer.update(self.critic, self.critic_optimizer, self.critic_scheduler, loss_mask,
+                                 self.critic_micro_loss(trainer, rollout, old_values, returns, loss_mask),
+                                 token_weighted=True)
+        self.critic.eval()
+        tokens = sums.get("tokens", 0.0)
+        stats["value/loss"] = sums["loss"] / tokens if tokens else 0.0
+        stats["value/clip_fraction"] = sums["clipped"] / tokens if tokens else 0.0
         timings["perf/update_time_s"] = time.perf_counter() - t
         if ref_logp is not None:  # report the same KL estimate GRPO reports, for comparison
             m = loss_mask.float()
@@ -96,59 +122,50 @@ class PPOTrainer(GRPOTrainer):
         stats["value/mean"] = float((old_values * loss_mask).sum() / loss_mask.sum().clamp(min=1))
         return stats
 
-    def _update_critic(self, rollout: Rollout, old_values, returns, loss_mask) -> dict:
-        cfg, ppo = self.config, self.ppo
-        losses, clipped, tokens = 0.0, 0.0, 0.0
-        for _ in range(cfg.num_iterations):
-            for minibatch in torch.randperm(rollout.num_samples).chunk(cfg.num_minibatches):
-                total = float(loss_mask[minibatch].sum())
-                if total == 0:
-                    continue
-                self.critic_optimizer.zero_grad(set_to_none=True)
-                for micro in minibatch.split(cfg.micro_batch_size):
-                    mask = loss_mask[micro]
-                    values = token_values(self.critic, rollout.input_ids[micro], rollout.attention_mask[micro],
-                                          rollout.prompt_length, len(micro))
-                    loss = value_loss(values, old_values[micro], returns[micro], mask, ppo.value_clip)
-                    n = float(mask.sum())
-                    (loss * (n / total)).backward()  # token means -> the minibatch's token mean
-                    with torch.no_grad():
-                        plain = (values - returns[micro]).pow(2)
-                        clip_v = old_values[micro] + (values - old_values[micro]).clamp(-ppo.value_clip, ppo.value_clip)
-                        clipped += float((((clip_v - returns[micro]).pow(2) > plain) * mask).sum())
-                    losses += float(loss.detach()) * n
-                    tokens += n
-                norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
-                if torch.isfinite(norm):
-                    self.critic_optimizer.step()
-                    self.critic_scheduler.step()
-                else:
-                    self.critic_optimizer.zero_grad(set_to_none=True)
-        return {"value/loss": losses / tokens if tokens else 0.0,
-                "value/clip_fraction": clipped / tokens if tokens else 0.0}
+    def critic_micro_loss(self, trainer: Trainer, rollout: Rollout, old_values, returns, loss_mask):
+        """micro_loss(rows, epoch) for Trainer.update: the clipped value loss, a token mean."""
+        clip = self.ppo.value_clip
+
+        def micro_loss(micro: torch.Tensor, epoch: int):
+            mask = loss_mask[micro]
+            values = self.values(trainer, rollout, micro)
+            loss = value_loss(values, old_values[micro], returns[micro], mask, clip)
+            with torch.no_grad():
+                plain = (values - returns[micro]).pow(2)
+                clip_v = old_values[micro] + (values - old_values[micro]).clamp(-clip, clip)
+                clipped = (((clip_v - returns[micro]).pow(2) > plain) * mask).sum()
+            tokens = mask.sum()
+            return loss, {"loss": loss.detach() * tokens, "clipped": clipped, "tokens": tokens}
+
+        return micro_loss
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["critic_optimizer"] = self.critic_optimizer.state_dict()
-        state["critic_scheduler"] = self.critic_scheduler.state_dict()
-        return state
+        return {"critic_optimizer": self.critic_optimizer.state_dict(),
+                "critic_scheduler": self.critic_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.critic_scheduler.load_state_dict(state["critic_scheduler"])
 
-    def _write_extra_files(self, directory: Path) -> None:
+    def save_files(self, directory: Path) -> None:
         self.critic.save_pretrained(directory / CRITIC_DIR, safe_serialization=True)
-        super()._write_extra_files(directory)
 
-    def resume_from(self, checkpoint: str | Path) -> None:
-        from safetensors.torch import load_file
-
-        weights = Path(checkpoint) / CRITIC_DIR / "model.safetensors"
+    def load_files(self, directory: Path) -> None:
+        weights = directory / CRITIC_DIR / "model.safetensors"
         if not weights.is_file():
-            raise FileNotFoundError(f"{checkpoint} has no {CRITIC_DIR}/ weights: it was not written by a PPO run")
+            raise FileNotFoundError(f"{directory} has no {CRITIC_DIR}/ weights: it was not written by a PPO run")
         self.critic.load_state_dict(load_file(weights))
-        super().resume_from(checkpoint)
+
+
+class PPOTrainer(Trainer):
+    """The training loop with PPO as its algorithm."""
+
+    def __init__(self, model, tokenizer, rewards, dataset, config: GRPOConfig, run_dir, ppo: PPOConfig | None = None,
+                 critic: torch.nn.Module | None = None, **kwargs):
+        super().__init__(model, tokenizer, rewards, dataset, config, run_dir, PPO(ppo, critic), **kwargs)
+
+    @property
+    def critic(self) -> torch.nn.Module:
+        return self.algorithm.critic

@@ -29,7 +29,7 @@ from grpokit.data.reward_data import (
 )
 from grpokit.math import bradley_terry_loss, step_bce_loss
 from grpokit.rewards.learned import OutcomeRewardModel, ProcessRewardModel
-from grpokit.rollout import SamplingParams, sample_groups
+from grpokit.rollout import SamplingParams
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
 Example = PreferencePair | StepLabelledSample
@@ -131,10 +131,10 @@ def evaluate_reward_model(scorer, heldout: list[Example]) -> dict:
 # --------------------------------------------------------------------------- data from the policy
 
 
-def sample_completions(policy, tokenizer, rows: list[dict], config: RewardModelConfig, max_new_tokens: int,
+def sample_completions(engine, rows: list[dict], config: RewardModelConfig, max_new_tokens: int,
                        batch_size: int = 512, progress: bool = True) -> tuple[list[dict], list[str]]:
-    """config.samples_per_question completions of each row's prompt from `policy`:
-    (the row of each sample, the completions)."""
+    """config.samples_per_question completions of each row's prompt from the policy, through its
+    rollout `engine`: (the row of each sample, the completions)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.sample_temperature,
                             batch_size=batch_size)
     out_rows, completions = [], []
@@ -142,8 +142,7 @@ def sample_completions(policy, tokenizer, rows: list[dict], config: RewardModelC
     for start in tqdm(range(0, len(rows), chunk), desc="sampling for the reward model", leave=False,
                       disable=not progress or len(rows) <= chunk):
         part = rows[start : start + chunk]
-        rollout = sample_groups(policy, tokenizer, [r["prompt"] for r in part], config.samples_per_question,
-                                params, part)
+        rollout = engine.generate([r["prompt"] for r in part], config.samples_per_question, params, part)
         out_rows += rollout.rows
         completions += rollout.completions
     return out_rows, completions

@@ -1,0 +1,57 @@
+"""The rollout-engine seam: everything that samples (GRPO, PPO, reward-model data, evaluation)
+asks a RolloutEngine for groups of completions, and the trainer syncs it after each update.
+
+`hf` samples with transformers' `generate` on the live policy; `vllm` (rollout/vllm.py) is a
+colocated vLLM engine that receives the policy's weights after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+import torch
+
+from grpokit.rollout.sampler import SamplingParams, sample_groups
+from grpokit.types import Rollout
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams,
+                 rows: list[dict] | None = None, seeds: list[int] | None = None) -> Rollout:
+        """G completions per prompt, groups contiguous; `seeds` holds one per completion."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load `model`'s current weights into the engine."""
+
+
+class HFEngine:
+    """transformers' generate on the policy itself: sampling always sees the current weights,
+    so a sync only re-points the engine. Draws from torch's global RNG (per-request seeds are
+    a vLLM feature; the run's seed fixes the whole sequence here)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
+        return sample_groups(self.model, self.tokenizer, prompts, num_generations, params, rows)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+
+def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generations: int) -> list[int]:
+    """One seed per completion from (run seed, step, prompt index, sample index): a completion
+    does not depend on which other prompts share its batch or its process."""
+    return [int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{p}/{s}".encode(), digest_size=4).digest(), "little")
+            for p in prompt_indices for s in range(num_generations)]
+
+
+def make_engine(rollout_config, model: torch.nn.Module, tokenizer, max_model_len: int, seed: int = 0) -> RolloutEngine:
+    """The engine rollout.engine names, built once from the policy."""
+    if rollout_config.engine == "vllm":
+        from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
+
+        return VLLMEngine(model, tokenizer, max_model_len=max_model_len, kv_cache_gb=rollout_config.kv_cache_gb,
+                          seed=seed, enable_sleep_mode=rollout_config.sleep_mode)
+    return HFEngine(model, tokenizer)

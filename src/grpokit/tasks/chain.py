@@ -1,0 +1,45 @@
+"""The demo's task: chain arithmetic ("Q: 7+5-3=?"), graded exactly, with a step checker."""
+
+from __future__ import annotations
+
+from grpokit.config import Config
+from grpokit.data import arithmetic
+from grpokit.tasks.base import TaskData
+
+
+def chain_step_labeller(row: dict, steps: list[str]) -> list[bool]:
+    """Process labels of the built-in task: which step first goes wrong."""
+    question = row["prompt"].strip().removeprefix("Q:").strip()
+    return arithmetic.step_labels(question, steps, row["answer"])
+
+
+class ChainTask:
+    name = "chain"
+    step_labeller = staticmethod(chain_step_labeller)
+
+    def __init__(self, config: Config):
+        t = config.task
+        self.config, self.seed = t, config.seed
+        self.spec = arithmetic.ChainTask(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
+                                         t.heldout_percent)
+
+    def data(self, tokenizer=None, sft: bool = True) -> TaskData:
+        """SFT demonstrations, RL questions (answers only) and held-out questions, all from seeds."""
+        t, seed = self.config, self.seed
+        demos = arithmetic.make_sft_rows(arithmetic.sample_questions(t.num_sft_examples, seed, self.spec, "train"),
+                                         t.sft_direct_fraction, seed) if sft else []
+        rl = arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, self.spec, "train"))
+        heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, self.spec, "heldout"))
+        return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
+                        [{k: r[k] for k in ("prompt", "answer")} for r in rl], heldout)
+
+    def extract_answer(self, completion: str) -> str | None:
+        return arithmetic.extract_answer(completion)
+
+    def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
+        scores = arithmetic.chain_accuracy([r["prompt"] for r in rows], completions, [r["answer"] for r in rows])
+        return [s > 0.5 for s in scores]
+
+    def report(self, result) -> dict[str, float]:
+        shown = [c for c in result.greedy_completions if arithmetic.shows_steps(c)]
+        return {"shows its steps": len(shown) / max(1, len(result.greedy_completions))}

@@ -1,0 +1,341 @@
+"""The one training loop (Algorithm 1's inner loop) that GRPO and PPO share.
+
+Each step: sample B prompts -> G completions each through the rollout engine -> rewards ->
+the algorithm's learning step (train/grpo.py or train/ppo.py) -> sync the engine. The loop owns
+the policy, its optimizer, the run directory and checkpoints; an algorithm owns what differs:
+its advantages, its loss, and any model of its own (PPO's critic).
+
+Device discipline: the engine may return tensors anywhere; the rollout and the rewards move
+to the policy's device once, here, and every tensor a step creates lives there.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from grpokit.checkpoint import TRAINER_STATE, CheckpointManager
+from grpokit.config import GRPOConfig
+from grpokit.metrics import MetricsWriter, truncate_metrics
+from grpokit.rewards import RewardResult, WeightedReward, score_completions
+from grpokit.rewards.scoring import row_columns
+from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams
+from grpokit.signals import GracefulStop
+from grpokit.train import state as train_state
+from grpokit.train.schedule import make_optimizer, warmup_constant
+from grpokit.types import Rollout
+
+
+class RewardFailure(RuntimeError):
+    """A reward function failed on every sample for too many consecutive steps."""
+
+
+class NonFiniteTraining(FloatingPointError):
+    """The loss or gradients were NaN/inf for too many consecutive steps."""
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> float:
+    """Share of groups whose valid rewards are all equal: they get zero advantage."""
+    r = torch.where(valid, rewards, torch.nan).view(-1, group_size)
+    spread = torch.nan_to_num(r.nan_to_num(-torch.inf).amax(1) - r.nan_to_num(torch.inf).amin(1), nan=0.0)
+    return float(((spread <= 0) | (valid.view(-1, group_size).sum(1) < 2)).float().mean())
+
+
+class Algorithm(Protocol):
+    """What differs between GRPO and PPO. `learn` turns a scored rollout into updates through
+    Trainer.update; the checkpoint hooks carry any model and optimizer the algorithm owns."""
+
+    name: str
+
+    def attach(self, trainer: "Trainer") -> None: ...
+
+    def learn(self, trainer: "Trainer", rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
+              timings: dict) -> dict: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def save_files(self, directory: Path) -> None: ...
+
+    def load_files(self, directory: Path) -> None: ...
+
+
+class Trainer:
+    """Owns the policy, its optimizer, the rollout engine and the run directory."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        rewards: list[WeightedReward],
+        dataset: list[dict],
+        config: GRPOConfig,
+        run_dir: str | Path,
+        algorithm: Algorithm,
+        seed: int = 0,
+        ref_model: torch.nn.Module | None = None,
+        progress: bool = True,
+        engine: RolloutEngine | None = None,
+    ):
+        if not dataset:
+            raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
+        missing = [i for i, row in enumerate(dataset[:1000]) if "prompt" not in row]
+        if missing:
+            raise ValueError(f"dataset rows {missing[:5]} have no 'prompt' field")
+        if not rewards and getattr(algorithm, "process_reward", None) is None:
+            raise ValueError("GRPO needs a reward: rule-based functions under `rewards`, a reward model, or both")
+        self.model, self.tokenizer, self.rewards = model, tokenizer, rewards
+        self.device = model_device(model)
+        self.dataset, self.config, self.progress = dataset, config, progress
+        self.run_dir = Path(run_dir)
+        self.ref_model = ref_model if ref_model is not None else (frozen_copy(model) if config.beta > 0 else None)
+        self.engine = engine if engine is not None else HFEngine(model, tokenizer)
+        self.optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
+        self.scheduler = warmup_constant(self.optimizer, config.warmup_steps)
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self._order: list[int] = []
+        self._failed_streak = {r.name: 0 for r in rewards}
+        self._nonfinite_streak = 0
+        self.global_step = 0
+        self.interrupted = False  # set when a signal stopped train() early
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
+        self.sampling = SamplingParams(
+            max_new_tokens=config.max_completion_length,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            batch_size=config.generation_batch_size,
+        )
+        self.algorithm = algorithm
+        algorithm.attach(self)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, until: int | None = None, extra_metrics: dict | None = None) -> list[dict]:
+        """Run to step `until` (default `max_steps`), one metrics.jsonl row a step (plus
+        `extra_metrics`, e.g. the iteration); checkpoint every `save_steps` and at the end.
+        SIGINT/SIGTERM finish the step, save, and return with `interrupted` set."""
+        cfg = self.config
+        until = cfg.max_steps if until is None else until
+        history = []
+        saved_at = None
+        bar = tqdm(total=until, initial=self.global_step, desc=self.algorithm.name, disable=not self.progress,
+                   dynamic_ncols=True)
+        with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, \
+                MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
+            while self.global_step < until:
+                record = {**(extra_metrics or {}), **self.step()}
+                history.append(record)
+                writer.write(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}")
+                if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stop.requested:
+                    saved_at = self.save_checkpoint()
+                if stop.requested:
+                    self.interrupted = True
+                    print(f"grpokit: stopped after step {self.global_step}; checkpoint {saved_at}\n"
+                          f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume", file=sys.stderr)
+                    break
+        bar.close()
+        if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
+            self.save_checkpoint()
+        return history
+
+    def step(self) -> dict:
+        cfg, g = self.config, self.config.num_generations
+        start = time.perf_counter()
+        rows = self._next_rows(cfg.prompts_per_step)
+        rollout = self.engine.generate([r["prompt"] for r in rows], g, self.sampling, rows)
+        timings = {"perf/rollout_time_s": time.perf_counter() - start}
+
+        t = time.perf_counter()
+        result = self._score(rollout)
+        timings["perf/scoring_time_s"] = time.perf_counter() - t
+        rollout, loss_mask = self.on_policy_device(rollout, result)
+        stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
+        self.engine.sync_weights(self.model)
+        self.global_step += 1
+        self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
+        if self._nonfinite_streak >= cfg.max_nonfinite_steps:
+            last = self.checkpoints.latest()
+            raise NonFiniteTraining(
+                f"the loss or gradient norm was NaN/inf in {self._nonfinite_streak} consecutive steps "
+                f"(through step {self.global_step}); every such update was skipped, so the weights are still "
+                f"finite. Last good checkpoint: {last or 'none yet'}. Lower grpo.learning_rate or check the data."
+            )
+
+        seconds = time.perf_counter() - start
+        lengths = rollout.completion_lengths.float()
+        valid_total = result.total[result.valid]
+        record = {
+            "step": self.global_step,
+            "reward/mean": float(valid_total.mean()) if valid_total.numel() else float("nan"),
+            "reward/std": float(valid_total.std()) if valid_total.numel() > 1 else 0.0,
+            "reward/zero_std_frac": zero_std_fraction(result.total, result.valid, g),
+            **{f"rewards/{name}": mean for name, mean in result.function_means().items()},
+            "rewards/failed": int((~result.valid).sum()),
+            "rewards/timeouts": sum(result.timeouts.values()),
+            **stats,
+            "completion/mean_length": float(lengths.mean()),
+            "completion/max_length": int(lengths.max()),
+            "completion/truncated_frac": float(rollout.truncated.float().mean()),
+            "perf/tokens_per_s": float(lengths.sum()) / seconds,
+            "perf/step_time_s": seconds,
+            **timings,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        return record
+
+    def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
+        """(the rollout moved to the policy's device, the loss mask there): completion tokens of
+        samples whose reward is valid, without truncated ones if grpo.mask_truncated_completions."""
+        rollout = rollout.to(self.device)
+        loss_mask = rollout.completion_mask * result.valid.to(self.device).unsqueeze(1)
+        if self.config.mask_truncated_completions:
+            loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
+        return rollout, loss_mask
+
+    def update(self, model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor, micro_loss,
+               token_weighted: bool = False) -> tuple[dict, int]:
+        """mu epochs of optimizer steps over minibatches of the batch's rows, each accumulated
+        over micro-batches: the one update loop, for the policy and for PPO's critic.
+
+        micro_loss(rows, epoch) -> (loss, sums): the micro-batch's loss as a mean over its own
+        rows or tokens, and tensors to add up for the log. Losses are reweighted so their sum is
+        the minibatch's mean (token_weighted: over tokens, else grpo.loss_aggregation). A
+        non-finite loss or gradient skips the optimizer step: no NaN reaches the weights.
+        Returns (summed log values, skipped optimizer steps)."""
+        cfg = self.config
+        denominator = self._token_count if token_weighted else self._denominator
+        totals: dict[str, float] = {}
+        skipped = 0
+        model.train()
+        for epoch in range(cfg.num_iterations):
+            for minibatch in torch.randperm(loss_mask.shape[0]).chunk(cfg.num_minibatches):
+                minibatch = minibatch.to(loss_mask.device)
+                total = denominator(loss_mask[minibatch])
+                if total == 0:
+                    continue  # every sample of this minibatch failed its reward
+                optimizer.zero_grad(set_to_none=True)
+                finite = True
+                for micro in minibatch.split(cfg.micro_batch_size):
+                    loss, sums = micro_loss(micro, epoch)
+                    if not torch.isfinite(loss):
+                        finite = False  # one bad micro-batch poisons the minibatch: skip it whole
+                        break
+                    (loss * (denominator(loss_mask[micro]) / total)).backward()
+                    for key, value in sums.items():
+                        totals[key] = totals.get(key, 0.0) + float(value)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if finite else None
+                if norm is None or not torch.isfinite(norm):
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                totals["grad_norm_sum"] = totals.get("grad_norm_sum", 0.0) + float(norm)
+                totals["optimizer_steps"] = totals.get("optimizer_steps", 0.0) + 1
+                optimizer.step()
+                scheduler.step()
+        model.eval()
+        return totals, skipped
+
+    def _denominator(self, mask: torch.Tensor) -> float:
+        """What the loss averages over: non-empty rows (sequence) or tokens (token)."""
+        if self.config.loss_aggregation == "sequence":
+            return float((mask.sum(dim=1) > 0).sum())
+        return self._token_count(mask)
+
+    @staticmethod
+    def _token_count(mask: torch.Tensor) -> float:
+        return float(mask.sum())
+
+    # ------------------------------------------------------------------ stages
+
+    def _next_rows(self, n: int) -> list[dict]:
+        while len(self._order) < n:  # epochs of shuffled prompts
+            self._order += self.rng.sample(range(len(self.dataset)), len(self.dataset))
+        picked, self._order = self._order[:n], self._order[n:]
+        return [self.dataset[i] for i in picked]
+
+    def _score(self, rollout: Rollout) -> RewardResult:
+        if not self.rewards:  # process supervision alone: every sample is scored by the PRM
+            n = rollout.num_samples
+            return RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
+        result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows))
+        failed_everywhere = set(result.all_failed())
+        for name in self._failed_streak:
+            self._failed_streak[name] = self._failed_streak[name] + 1 if name in failed_everywhere else 0
+            if self._failed_streak[name] >= self.config.max_failed_steps:
+                raise RewardFailure(
+                    f"reward function {name!r} failed on every sample for {self._failed_streak[name]} "
+                    f"consecutive steps (last error: {result.errors.get(name)}); fix it or remove it from `rewards`"
+                )
+        return result
+
+    def reset_reference(self) -> None:
+        """pi_ref <- pi_theta, as iterative GRPO does at the start of each iteration (Algorithm 1)."""
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What an exact resume needs besides the weights."""
+        return {
+            "global_step": self.global_step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": {"rng": self.rng.getstate(), "order": torch.tensor(self._order, dtype=torch.int64)},
+            "failed_streak": dict(self._failed_streak),
+            "nonfinite_streak": self._nonfinite_streak,
+            "rng": train_state.capture_rng(),
+            **self.algorithm.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = int(state["global_step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.setstate(train_state.as_tuple(state["sampler"]["rng"]))
+        self._order = state["sampler"]["order"].tolist()
+        self._failed_streak.update(state["failed_streak"])
+        self._nonfinite_streak = int(state["nonfinite_streak"])
+        self.algorithm.load_state_dict(state)
+        train_state.restore_rng(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it."""
+        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files)
+
+    def _write_extra_files(self, directory: Path) -> None:
+        """Everything besides the policy that goes into a checkpoint."""
+        self.algorithm.save_files(directory)
+        train_state.save_state(self.state_dict(), directory / TRAINER_STATE)
+        if (self.run_dir / "config.yaml").is_file():
+            shutil.copyfile(self.run_dir / "config.yaml", directory / "config.yaml")
+
+    def resume_from(self, checkpoint: str | Path) -> None:
+        """Restore trainer state from `checkpoint` (the weights are loaded by the caller) and drop
+        metrics rows logged after it, so the log continues exactly where the state does."""
+        self.algorithm.load_files(Path(checkpoint))
+        self.load_state_dict(train_state.load_state(Path(checkpoint) / TRAINER_STATE))
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.global_step)
