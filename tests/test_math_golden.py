@@ -20,6 +20,7 @@ from grpokit import (
     process_advantages,
     value_loss,
 )
+from grpokit.math import groups_with_spread, loss_denominator
 
 F64 = torch.float64
 EPS = 1e-4  # grpokit's default eps
@@ -524,3 +525,319 @@ def test_value_loss_shape_mismatch():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"must share one shape"):
         value_loss(z, z, torch.zeros(2, 2), z)
+
+
+# ---------------------------------------------------------------------------
+# Constant normaliser (Dr. GRPO): -sum m term / (N * L_max)
+# ---------------------------------------------------------------------------
+
+
+def test_constant_normaliser_hand_example():
+    # The data of test_sequence_vs_token_aggregation: rho = 1, row 0 length 1 with A = +1,
+    # row 1 length 3 with A = -1, N = 2, L_max = 4.
+    # beta = 0: sum m term = 1 - 3 = -2; loss = 2 / (2 * 4) = 0.25
+    #   (sequence gave 0, token 0.5: the constant divides by a number no output length changes).
+    # d loss / d logp_{i,t} = -A_i / (N L_max): row 0 -> -1/8, row 1 -> +1/8, padding 0.
+    # beta = 0.1, d = 1 at token (0, 0): term there 1 - 0.1(e - 2); loss = (2 + 0.1(e - 2)) / 8.
+    logp = t64([[-0.3, -0.7, -0.2], [-1.1, -0.4, -0.9]]).requires_grad_()
+    ref = logp.detach().clone()
+    ref[0, 0] += 1.0
+    ref[0, 1] += 5.0  # padding: must not count
+    mask = t64([[1, 0, 0], [1, 1, 1]])
+    adv = t64([1.0, -1.0])
+    loss, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.0, aggregation="constant", max_completion_length=4)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(0.25, abs=1e-12)
+    close(g, [[-1 / 8, 0, 0], [1 / 8, 1 / 8, 1 / 8]])
+    loss_b, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1, aggregation="constant", max_completion_length=4)
+    assert loss_b.item() == pytest.approx((2 + 0.1 * (math.e - 2)) / 8, abs=1e-12)
+
+
+def test_constant_normaliser_counts_empty_rows_in_n():
+    # Rows of lengths 1 and 3 with A = 1 and 0.5, and an empty row: N = 3 (every completion),
+    # L_max = 3: sum m term = 1 + 0.5 * 3 = 2.5 -> loss = -2.5 / 9.
+    logp = torch.zeros(3, 3, dtype=F64)
+    mask = t64([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    loss, _ = grpo_loss(logp, logp, None, t64([1.0, 0.5, 5.0]), mask, beta=0.0, aggregation="constant",
+                        max_completion_length=3)
+    assert loss.item() == pytest.approx(-2.5 / 9, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Externally supplied denominator (micro-batches, several processes)
+# ---------------------------------------------------------------------------
+
+
+def test_loss_denominator_and_denominator_hand_example():
+    # Same rows as above: lengths 1, 3, 0 with A = 1, 0.5, 5 and rho = 1, beta = 0.
+    # Local counts: sequence 2 non-empty rows, token 4 masked tokens, constant N = 3.
+    # With the counts of a larger step passed in:
+    #   sequence: sum of row means 1 + 0.5 = 1.5, denominator 6 -> -0.25
+    #   token:    sum of terms 1 + 1.5 = 2.5, denominator 10 -> -0.25
+    #   constant: 2.5, denominator N = 5, L_max = 3 -> -2.5 / 15 = -1/6
+    logp = torch.zeros(3, 3, dtype=F64)
+    mask = t64([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    adv = t64([1.0, 0.5, 5.0])
+    assert loss_denominator(mask, "sequence") == 2.0
+    assert loss_denominator(mask, "token") == 4.0
+    assert loss_denominator(mask, "constant") == 3.0
+    for agg, den, expected in (("sequence", 6, -0.25), ("token", 10.0, -0.25), ("constant", t64(5.0), -1 / 6)):
+        loss, _ = grpo_loss(logp, logp, None, adv, mask, beta=0.0, aggregation=agg, max_completion_length=3,
+                            denominator=den)
+        assert loss.item() == pytest.approx(expected, abs=1e-12)
+    # A global count of 0 (no tokens anywhere) gives loss 0, not NaN.
+    empty = torch.zeros(2, 3, dtype=F64)
+    for agg in ("sequence", "token", "constant"):
+        loss, _ = grpo_loss(logp[:2], logp[:2], None, adv[:2], empty, beta=0.0, aggregation=agg,
+                            max_completion_length=3, denominator=0)
+        assert loss.item() == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Sequence-level importance ratio (GSPO)
+# ---------------------------------------------------------------------------
+
+
+def test_gspo_sequence_ratio_clips_in_each_direction():
+    # s_i = exp(mean of the row's log-ratios) = (product of its token ratios)^(1/|o_i|); eps = 0.2.
+    # Row 0, A = +1, token ratios [3, 0.75]: s = sqrt(2.25) = 1.5 > 1.2 -> min(1.5, 1.2) = 1.2 on
+    #   both tokens, no gradient. (Per token, 0.75 would be unclipped: the ratio is the row's.)
+    # Row 1, A = -1, token ratios [0.25, 1]: s = sqrt(0.25) = 0.5 < 0.8 -> min(-0.5, -0.8) = -0.8,
+    #   no gradient.
+    # Row 2, A = +1, one token ratio 0.5 (padding holds log-ratio 5, which must not enter s):
+    #   s = 0.5, the side the clip does not bite -> term 0.5.
+    # Row 3, A = -1, token ratios [1.21, 1]: s = 1.1, inside -> term -1.1.
+    # Row 4: empty mask, junk log-ratios: s = exp(0/1) = 1, left out; no NaN.
+    # sequence: row means 1.2, -0.8, 0.5, -1.1 -> sum -0.2 over 4 rows -> loss 0.05.
+    # token: 2*1.2 + 2*(-0.8) + 0.5 + 2*(-1.1) = -0.9 over 7 tokens -> loss 0.9/7.
+    # Gradient (sequence): row mean = s_i A_i when unclipped, d s_i / d logp_{i,t} = s_i / |o_i|:
+    #   row 2: -(1/4) * 0.5 * 1 / 1 = -0.125; row 3: -(1/4) * 1.1 * (-1) / 2 = +0.1375 per token.
+    # Stats: ratio_mean = (1.5*2 + 0.5*2 + 0.5 + 1.1*2)/7 = 6.7/7; clipped tokens: row 0 (high, 2),
+    #   row 1 (low, 2) -> clip_fraction 4/7.
+    log_ratio = t64([
+        [math.log(3), math.log(0.75)],
+        [math.log(0.25), 0.0],
+        [math.log(0.5), 5.0],
+        [math.log(1.21), 0.0],
+        [7.0, -9.0],
+    ])
+    old = -torch.ones(5, 2, dtype=F64)
+    logp = (old + log_ratio).requires_grad_()
+    mask = t64([[1, 1], [1, 1], [1, 0], [1, 1], [0, 0]])
+    adv = t64([1.0, -1.0, 1.0, -1.0, 3.0])
+    loss, stats = grpo_loss(logp, old, None, adv, mask, beta=0.0, importance_level="sequence")
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(0.05, abs=1e-12)
+    close(g, [[0, 0], [0, 0], [-0.125, 0], [0.1375, 0.1375], [0, 0]])
+    assert stats["ratio_mean"].item() == pytest.approx(6.7 / 7, abs=1e-12)
+    assert stats["clip_fraction"].item() == pytest.approx(4 / 7, abs=1e-12)
+    assert stats["clip_fraction_high"].item() == pytest.approx(2 / 7, abs=1e-12)
+    assert stats["clip_fraction_low"].item() == pytest.approx(2 / 7, abs=1e-12)
+    tok, _ = grpo_loss(logp, old, None, adv, mask, beta=0.0, importance_level="sequence", aggregation="token")
+    assert tok.item() == pytest.approx(0.9 / 7, abs=1e-12)
+
+
+def test_gspo_keeps_kl_per_token_and_small_eps():
+    # GSPO's typical eps: 3e-4 low, 4e-4 high. One row, A = +1, token ratios [1.0002, 1.0004]:
+    #   s = sqrt(1.0002 * 1.0004) = 1.000299985... < 1.0004 -> inside, term s.
+    # KL per token: d = ref - logp = [1, 0] -> k3 = [e - 2, 0]; beta = 0.1.
+    # loss = -(2 s - 0.1 (e - 2)) / 2 = -s + 0.05 (e - 2).
+    # The same ratios with A = +1 but token ratios [1.0008, 1.0004] give s = 1.000599... > 1.0004:
+    #   clipped to 1.0004 -> loss = -1.0004 + 0.05 (e - 2).
+    old = torch.zeros(1, 2, dtype=F64)
+    for ratios, surrogate in (
+        ((1.0002, 1.0004), math.sqrt(1.0002 * 1.0004)),
+        ((1.0008, 1.0004), 1.0004),
+    ):
+        logp = t64([[math.log(ratios[0]), math.log(ratios[1])]])
+        ref = logp + t64([[1.0, 0.0]])
+        loss, _ = grpo_loss(logp, old, ref, t64([1.0]), torch.ones(1, 2, dtype=F64), clip_eps=3e-4,
+                            clip_eps_high=4e-4, beta=0.1, importance_level="sequence")
+        assert loss.item() == pytest.approx(-surrogate + 0.05 * (math.e - 2), abs=1e-12)
+
+
+def test_gspo_with_process_advantages():
+    # [N, T] advantages under importance_level="sequence": token t uses its own A_{i,t} with the
+    # row's shared s_i. One row, token ratios [3, 0.75] -> s = 1.5, A = [+1, -1]:
+    #   token 0: min(1.5, 1.2) = 1.2 (clipped high, constant); token 1: min(-1.5, -1.2) = -1.5.
+    #   row mean (1.2 - 1.5)/2 = -0.15 -> loss 0.15.
+    # Gradient: loss = -(1.2 + s * (-1))/2, d s / d logp_t = s / 2 -> d loss / d logp_t = 1.5/4
+    #   = 0.375 on BOTH tokens: token 0's term is clipped, but it shares s with token 1.
+    old = torch.zeros(1, 2, dtype=F64)
+    logp = t64([[math.log(3), math.log(0.75)]]).requires_grad_()
+    loss, _ = grpo_loss(logp, old, None, t64([[1.0, -1.0]]), torch.ones(1, 2, dtype=F64), beta=0.0,
+                        importance_level="sequence")
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(0.15, abs=1e-12)
+    close(g, [[0.375, 0.375]])
+
+
+def test_gspo_mu_one_ratio_is_one_and_gradient_is_policy_gradient():
+    # mu = 1: s_i = exp(0) = 1 in value; d s_i / d logp_{i,t} = 1/|o_i|, so with outcome advantages
+    # the gradient equals the token-level one (test_mu_one_ratio_is_one_and_gradient_is_policy_gradient):
+    # A = [2, -1], lengths [2, 3]: sequence gradient row 0 -0.5, row 1 +1/6; loss -0.5.
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 3, dtype=F64)).requires_grad_()
+    mask = t64([[1, 1, 0], [1, 1, 1]])
+    loss, stats = grpo_loss(logp, logp.detach(), None, t64([2.0, -1.0]), mask, beta=0.0, importance_level="sequence")
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-0.5, abs=1e-12)
+    assert stats["ratio_mean"].item() == 1.0
+    close(g, [[-0.5, -0.5, 0.0], [1 / 6, 1 / 6, 1 / 6]])
+
+
+# ---------------------------------------------------------------------------
+# Truncated importance sampling (TIS)
+# ---------------------------------------------------------------------------
+
+
+def test_tis_weight_and_cap_hand_example():
+    # mu = 1 (rho = 1), A = +1, beta = 0, one row of 4 tokens and a padded 5th.
+    # old - sampling = [0, ln 1.5, ln 3, -ln 2] -> exp = [1, 1.5, 3, 0.5]; C = 2 -> w = [1, 1.5, 2, 0.5].
+    # terms w * 1 -> sum 5 -> sequence loss -5/4 = -1.25.
+    # d loss / d logp_t = -w_t A / 4 = [-0.25, -0.375, -0.5, -0.125], padding 0 (w is detached:
+    #   sampling_logp and old_logp get no gradient either).
+    # Stats: is_capped_frac 1/4 (only the 3 was capped; 0.5 is below the cap), is_weight_mean 5/4,
+    #   logp_mismatch = (0 + ln 1.5 + ln 3 + ln 2)/4 = ln 9 / 4, policy_loss = -5/4.
+    # beta = 0.1 with d = 1 at token 0 adds 0.1 (e - 2) / 4: the KL term is not reweighted.
+    # is_cap = 4: w = [1, 1.5, 3, 0.5] -> loss -6/4, nothing capped.
+    logp = t64([[-0.5, -1.0, -2.0, -0.1, -0.3]]).requires_grad_()
+    old = logp.detach().clone()
+    sampling = old - t64([[0.0, math.log(1.5), math.log(3), -math.log(2), 30.0]])  # junk on padding
+    mask = t64([[1, 1, 1, 1, 0]])
+    adv = t64([1.0])
+    loss, stats = grpo_loss(logp, old, None, adv, mask, beta=0.0, sampling_logp=sampling)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-1.25, abs=1e-12)
+    close(g, [[-0.25, -0.375, -0.5, -0.125, 0.0]])
+    assert stats["is_capped_frac"].item() == pytest.approx(0.25, abs=1e-12)
+    assert stats["is_weight_mean"].item() == pytest.approx(1.25, abs=1e-12)
+    assert stats["logp_mismatch"].item() == pytest.approx(math.log(9) / 4, abs=1e-12)
+    assert stats["policy_loss"].item() == pytest.approx(-1.25, abs=1e-12)
+    ref = logp.detach() + t64([[1.0, 0, 0, 0, 0]])
+    loss_b, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, sampling_logp=sampling)
+    assert loss_b.item() == pytest.approx(-1.25 + 0.1 * (math.e - 2) / 4, abs=1e-12)
+    loss_c, stats_c = grpo_loss(logp, old, None, adv, mask, beta=0.0, sampling_logp=sampling, is_cap=4.0)
+    assert loss_c.item() == pytest.approx(-1.5, abs=1e-12)
+    assert stats_c["is_capped_frac"].item() == 0.0
+
+
+def test_tis_with_token_ratio_mu_above_one():
+    # mu > 1: token ratios [1.5, 0.5], A = +1, eps = 0.2.
+    #   surrogates min(1.5, 1.2) = 1.2 (clipped), min(0.5, 0.8) = 0.5 (unclipped).
+    # old - sampling = [-ln 2, ln 4] -> w = [0.5, min(4, 2) = 2].
+    # terms [0.6, 1.0] -> sequence loss -1.6/2 = -0.8.
+    # Gradient: token 0 clipped -> 0; token 1: -w rho A / 2 = -2 * 0.5 / 2 = -0.5.
+    old = t64([[-1.0, -2.0]])
+    logp = (old + t64([[math.log(1.5), math.log(0.5)]])).requires_grad_()
+    sampling = old - t64([[-math.log(2), math.log(4)]])
+    loss, stats = grpo_loss(logp, old, None, t64([1.0]), torch.ones(1, 2, dtype=F64), beta=0.0,
+                            sampling_logp=sampling)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-0.8, abs=1e-12)
+    close(g, [[0.0, -0.5]])
+    assert stats["is_capped_frac"].item() == pytest.approx(0.5, abs=1e-12)
+
+
+def test_gspo_tis_process_advantages_all_aggregations_mu_above_one():
+    # N = 2, T = 2, L_max = 3, beta = 0, eps = 0.2.
+    # Row 0: length 2, token ratios [3, 0.75] -> s0 = 1.5; A = [+1, -1];
+    #   old - sampling = [ln 3, -ln 2] -> w = [2 (capped), 0.5].
+    #   token 0: min(1.5, 1.2) = 1.2 (clipped) -> w * = 2.4
+    #   token 1: min(-1.5, -1.2) = -1.5        -> w * = -0.75
+    # Row 1: length 1, token ratio 0.5 (padding log-ratio 7) -> s1 = 0.5; A = [-1, 99 (padding)];
+    #   old - sampling = [ln 1.5] -> w = 1.5; min(-0.5, -0.8) = -0.8 (clipped) -> w * = -1.2.
+    # sum m term = 2.4 - 0.75 - 1.2 = 0.45.
+    #   constant: -0.45 / (2 * 3) = -0.075
+    #   sequence: row means (2.4 - 0.75)/2 = 0.825 and -1.2 -> -(0.825 - 1.2)/2 = 0.1875
+    #   token:    -0.45 / 3 = -0.15
+    # Gradient (constant): only row 0 token 1 depends on logp, through s0:
+    #   d(w01 s0 A01)/d logp_{0,t} = 0.5 * (-1) * 1.5 / 2 = -0.375 -> d loss = +0.375/6 = 0.0625
+    #   on both tokens of row 0; row 1 (clipped) and padding 0.
+    # Stats: ratio_mean (1.5 + 1.5 + 0.5)/3; clipped: (0,0) high, (1,0) low -> 2/3;
+    #   is_capped_frac 1/3; logp_mismatch (ln 3 + ln 2 + ln 1.5)/3 = ln 9 / 3.
+    old = t64([[-1.0, -0.5], [-2.0, -0.2]])
+    logp = (old + t64([[math.log(3), math.log(0.75)], [math.log(0.5), 7.0]])).requires_grad_()
+    sampling = old - t64([[math.log(3), -math.log(2)], [math.log(1.5), -40.0]])
+    adv = t64([[1.0, -1.0], [-1.0, 99.0]])
+    mask = t64([[1, 1], [1, 0]])
+    kw = dict(beta=0.0, importance_level="sequence", sampling_logp=sampling, max_completion_length=3)
+    loss, stats = grpo_loss(logp, old, None, adv, mask, aggregation="constant", **kw)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-0.075, abs=1e-12)
+    close(g, [[0.0625, 0.0625], [0.0, 0.0]])
+    assert stats["ratio_mean"].item() == pytest.approx(3.5 / 3, abs=1e-12)
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 3, abs=1e-12)
+    assert stats["is_capped_frac"].item() == pytest.approx(1 / 3, abs=1e-12)
+    assert stats["logp_mismatch"].item() == pytest.approx(math.log(9) / 3, abs=1e-12)
+    seq, _ = grpo_loss(logp, old, None, adv, mask, aggregation="sequence", **kw)
+    tok, _ = grpo_loss(logp, old, None, adv, mask, aggregation="token", **kw)
+    assert seq.item() == pytest.approx(0.1875, abs=1e-12)
+    assert tok.item() == pytest.approx(-0.15, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Validation of the variant arguments
+# ---------------------------------------------------------------------------
+
+
+def test_grpo_loss_variant_errors():
+    z = torch.zeros(2, 3, dtype=F64)
+    a = torch.zeros(2, dtype=F64)
+    with pytest.raises(ValueError, match=r"aggregation='constant' .* needs max_completion_length"):
+        grpo_loss(z, z, z, a, z, aggregation="constant")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"max_completion_length must be an int >= 1"):
+            grpo_loss(z, z, z, a, z, aggregation="constant", max_completion_length=bad)
+    with pytest.raises(ValueError, match=r"importance_level must be one of \('token', 'sequence'\), got 'seq'"):
+        grpo_loss(z, z, z, a, z, importance_level="seq")
+    with pytest.raises(ValueError, match=r"is_cap=3.0 .* needs sampling_logp"):
+        grpo_loss(z, z, z, a, z, is_cap=3.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"is_cap must be a number > 0"):
+            grpo_loss(z, z, z, a, z, sampling_logp=z, is_cap=bad)
+    with pytest.raises(ValueError, match=r"sampling_logp has shape \(2, 2\) but logp has \(2, 3\)"):
+        grpo_loss(z, z, z, a, z, sampling_logp=torch.zeros(2, 2, dtype=F64))
+    for bad in (-1, float("nan"), "4"):
+        with pytest.raises(ValueError, match=r"denominator must be a count >= 0"):
+            grpo_loss(z, z, z, a, z, denominator=bad)
+    with pytest.raises(ValueError, match=r"denominator must be a scalar"):
+        grpo_loss(z, z, z, a, z, denominator=torch.ones(2))
+    with pytest.raises(ValueError, match=r"aggregation must be one of"):
+        loss_denominator(z, "mean")
+    with pytest.raises(ValueError, match=r"mask must be \[N, T\]"):
+        loss_denominator(torch.ones(3), "token")
+
+
+# ---------------------------------------------------------------------------
+# Dynamic sampling (DAPO): groups with a spread
+# ---------------------------------------------------------------------------
+
+
+def test_groups_with_spread_hand_example():
+    # group_size 4:
+    #   [1, 0, 1, 0]                     -> spread                     True
+    #   [1, 1, 1, 1]                     -> all equal                  False
+    #   [1, NaN(inv), 0(inv), 1]         -> valid [1, 1], equal        False
+    #   [0.5, 2(inv), 3(inv), 7(inv)]    -> one valid                  False
+    #   [0, 0, 0, 1e-4]                  -> any difference counts      True
+    #   [0.1, 0.1, 5(inv), 0.2]          -> valid [0.1, 0.1, 0.2]      True
+    r = t64([1, 0, 1, 0, 1, 1, 1, 1, 1, float("nan"), 0, 1, 0.5, 2, 3, 7, 0, 0, 0, 1e-4, 0.1, 0.1, 5, 0.2])
+    valid = torch.ones(24, dtype=torch.bool)
+    valid[[9, 10, 13, 14, 15, 22]] = False
+    out = groups_with_spread(r, valid, 4)
+    assert out.dtype == torch.bool
+    assert out.tolist() == [True, False, False, False, True, True]
+    # valid=None: every reward counts.
+    assert groups_with_spread(t64([1, 1, 2, 2, 3, 4]), None, 2).tolist() == [False, False, True]
+
+
+def test_groups_with_spread_errors():
+    with pytest.raises(ValueError, match=r"rows \[1\] are NaN or infinite but marked valid"):
+        groups_with_spread(t64([0.0, float("nan")]), torch.tensor([True, True]), 2)
+    with pytest.raises(ValueError, match=r"5 rows, which is not divisible by group_size=2"):
+        groups_with_spread(torch.zeros(5, dtype=F64), None, 2)
+    with pytest.raises(ValueError, match=r"group_size must be an int >= 2"):
+        groups_with_spread(torch.zeros(4, dtype=F64), None, 1)
+    with pytest.raises(ValueError, match=r"valid has shape \(3,\)"):
+        groups_with_spread(torch.zeros(4, dtype=F64), torch.ones(3, dtype=torch.bool), 2)

@@ -14,9 +14,11 @@ from grpokit import (
     gae_advantages,
     grpo_loss,
     kl_k3,
+    masked_outcome_advantages,
     outcome_advantages,
     process_advantages,
 )
+from grpokit.math import groups_with_spread, loss_denominator
 
 F64 = torch.float64
 EPS = 1e-4
@@ -322,3 +324,111 @@ def test_gae_lambda_zero_is_td_error(batch):
             v_next = values[i, t + 1].item() if t + 1 < L else 0.0
             delta = rewards[i, t].item() + gamma * v_next - values[i, t].item()
             assert adv[i, t].item() == pytest.approx(delta, rel=1e-12, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# grpo_loss variants: TIS, GSPO, constant normaliser, external denominator
+# ---------------------------------------------------------------------------
+
+
+def _batch_tensors(batch):
+    n, t_len, lengths, per_token, adv, log_ratio, old, clip_eps, clip_eps_high, aggregation = batch
+    old_t = torch.tensor(old, dtype=F64).view(n, t_len)
+    logp = old_t + torch.tensor(log_ratio, dtype=F64).view(n, t_len)
+    adv_t = torch.tensor(adv, dtype=F64).view(n, t_len) if per_token else torch.tensor(adv, dtype=F64)
+    mask = torch.tensor([[1.0 if t < L else 0.0 for t in range(t_len)] for L in lengths], dtype=F64)
+    kw = dict(clip_eps=clip_eps, beta=0.0, clip_eps_high=clip_eps_high, aggregation=aggregation)
+    return logp, old_t, adv_t, mask, kw
+
+
+def _loss_and_grad(logp0, *args, **kw):
+    logp = logp0.clone().requires_grad_()
+    loss, stats = grpo_loss(logp, *args, **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad, stats
+
+
+@PROFILE
+@given(policy_batch(), st.sampled_from(["token", "sequence"]), st.sampled_from([None, 1.0, 2.0, 5.0]))
+def test_tis_with_sampling_equal_to_old_changes_nothing(batch, importance_level, is_cap):
+    # Identical kernels: sampling_logp == old_logp -> w = min(1, C) = 1 (C >= 1) on every token.
+    logp, old, adv, mask, kw = _batch_tensors(batch)
+    kw.update(importance_level=importance_level, max_completion_length=logp.shape[1])
+    plain, g_plain, _ = _loss_and_grad(logp, old, None, adv, mask, **kw)
+    tis, g_tis, stats = _loss_and_grad(logp, old, None, adv, mask, sampling_logp=old.clone(), is_cap=is_cap, **kw)
+    assert torch.equal(tis, plain)
+    assert torch.equal(g_tis, g_plain)
+    assert stats["is_capped_frac"].item() == 0.0
+    assert stats["logp_mismatch"].item() == 0.0
+    assert stats["is_weight_mean"].item() == 1.0
+
+
+@PROFILE
+@given(policy_batch())
+def test_gspo_mu_one_value_and_outcome_gradient_equal_token_level(batch):
+    # mu = 1: s_i = 1 in value, so the loss equals the token-level one. With outcome advantages
+    # the gradients agree too: d/d logp_{i,t} of |o_i| s_i A_i (token sum) is A_i s_i = A_i, the
+    # same as d(rho_{i,t} A_i); sequence means and the constant scale both alike.
+    logp, _, adv, mask, kw = _batch_tensors(batch)
+    kw["max_completion_length"] = logp.shape[1]
+    tok, g_tok, _ = _loss_and_grad(logp, logp, None, adv, mask, **kw)
+    seq, g_seq, stats = _loss_and_grad(logp, logp, None, adv, mask, importance_level="sequence", **kw)
+    assert seq.item() == pytest.approx(tok.item(), rel=1e-12, abs=1e-12)
+    assert stats["ratio_mean"].item() == 1.0
+    assert stats["clip_fraction"].item() == 0.0
+    if adv.dim() == 1:
+        torch.testing.assert_close(g_seq, g_tok, rtol=1e-12, atol=1e-12)
+
+
+@PROFILE
+@given(policy_batch(), st.integers(0, 3), st.sampled_from(["token", "sequence"]))
+def test_constant_with_equal_lengths_is_a_scaled_token_mean(batch, extra, importance_level):
+    # Every row has length L and L_max = L + extra: sum m term / (N L_max) = token mean * L / L_max.
+    # With extra = 0 (all rows at L_max) it is the token mean itself.
+    logp, old, adv, _, kw = _batch_tensors(batch)
+    n, t_len = logp.shape
+    mask = torch.ones(n, t_len, dtype=F64)
+    kw.update(importance_level=importance_level)
+    kw.pop("aggregation")
+    token, g_token, _ = _loss_and_grad(logp, old, None, adv, mask, aggregation="token", **kw)
+    const, g_const, _ = _loss_and_grad(logp, old, None, adv, mask, aggregation="constant",
+                                       max_completion_length=t_len + extra, **kw)
+    scale = t_len / (t_len + extra)
+    assert const.item() == pytest.approx(token.item() * scale, rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(g_const, g_token * scale, rtol=1e-12, atol=1e-15)
+
+
+@PROFILE
+@given(policy_batch(), st.sampled_from(["token", "sequence"]), st.data())
+def test_pieces_with_the_global_denominator_add_up_to_the_whole(batch, importance_level, data):
+    # Micro-batches, or the shares of W processes: sum_local / global count, summed over pieces.
+    logp, old, adv, mask, kw = _batch_tensors(batch)
+    n = logp.shape[0]
+    kw.update(importance_level=importance_level, max_completion_length=logp.shape[1] + 1)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=n - 1))) if n > 1 else []
+    bounds = [0] + cuts + [n]
+    whole, g_whole, _ = _loss_and_grad(logp, old, None, adv, mask, **kw)
+    count = sum(loss_denominator(mask[a:b], kw["aggregation"]) for a, b in zip(bounds, bounds[1:]))
+    lp = logp.clone().requires_grad_()
+    total = sum(grpo_loss(lp[a:b], old[a:b], None, adv[a:b], mask[a:b], denominator=count, **kw)[0]
+                for a, b in zip(bounds, bounds[1:]))
+    (g_total,) = torch.autograd.grad(total, lp)
+    assert total.item() == pytest.approx(whole.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(g_total, g_whole, rtol=1e-12, atol=1e-14)
+
+
+@PROFILE
+@given(
+    st.integers(2, 6),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_groups_with_spread_marks_the_groups_that_get_an_advantage(g, k, data):
+    # groups_with_spread is True exactly where masked_outcome_advantages is non-zero somewhere.
+    rewards = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=g * k, max_size=g * k))
+    valid = data.draw(st.lists(st.booleans(), min_size=g * k, max_size=g * k))
+    r = torch.tensor([x if v else float("nan") for x, v in zip(rewards, valid)], dtype=F64)
+    v = torch.tensor(valid)
+    spread = groups_with_spread(r, v, g)
+    adv = masked_outcome_advantages(r, v, g).view(k, g)
+    assert spread.tolist() == (adv != 0).any(dim=1).tolist()

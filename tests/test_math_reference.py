@@ -23,6 +23,7 @@ from grpokit import (
     process_advantages,
     value_loss,
 )
+from grpokit.math import loss_denominator
 
 F64 = torch.float64
 RTOL = 1e-10
@@ -489,3 +490,227 @@ def test_kl_k3_gradcheck():
     dd = (ref - logp).detach().tolist()
     assert_close(g_lp, [-math.expm1(x) for x in dd])
     assert_close(g_ref, [math.expm1(x) for x in dd])
+
+
+# ---------------------------------------------------------------------------
+# grpo_loss variants: constant normaliser, GSPO's sequence ratio, TIS, external denominator
+# ---------------------------------------------------------------------------
+
+
+def ref_grpo_variants(
+    logp, old_logp, ref_logp, advantages, mask, clip_eps, beta, clip_eps_high, aggregation,
+    l_max=None, importance_level="token", sampling_logp=None, is_cap=2.0, denominator=None,
+):
+    """The variants' formulas token by token, with torch scalar ops for the reference gradient.
+
+    GSPO:  s_i = exp(sum_t m (logp - old) / sum_t m); the ratio of every token of row i is s_i.
+    TIS:   w_t = min(exp(old - sampling), C), a plain float (no gradient).
+    term_t = w_t * min(rho A, clip(rho) A) - beta k3_t.
+    sequence: sum_i (row mean) / #non-empty rows; token: sum / #tokens; constant: sum / (N L_max);
+    `denominator` replaces the count (N for constant).
+    """
+    n, t_len = logp.shape
+    lo = 1.0 - clip_eps
+    hi = 1.0 + (clip_eps if clip_eps_high is None else clip_eps_high)
+    rows = []
+    kls, ratios, clipped_flags, surrogates, weights, capped, mismatch = [], [], [], [], [], [], []
+    for i in range(n):
+        tokens = [t for t in range(t_len) if mask[i, t].item() != 0]
+        if importance_level == "sequence" and tokens:
+            mean_log_ratio = sum(logp[i, t] - old_logp[i, t] for t in tokens) / len(tokens)
+            s_i = torch.exp(mean_log_ratio)
+        terms = []
+        for t in tokens:
+            a = advantages[i] if advantages.dim() == 1 else advantages[i, t]
+            rho = s_i if importance_level == "sequence" else torch.exp(logp[i, t] - old_logp[i, t])
+            unclipped = rho * a
+            rv = rho.item()
+            if rv > hi:
+                clipped = hi * a
+            elif rv < lo:
+                clipped = lo * a
+            else:
+                clipped = rho * a
+            is_clipped = clipped.item() < unclipped.item()
+            surrogate = clipped if is_clipped else unclipped
+            w = 1.0
+            if sampling_logp is not None:
+                diff = old_logp[i, t].item() - sampling_logp[i, t].item()
+                raw = math.exp(diff)
+                w = min(raw, is_cap)
+                weights.append(w)
+                capped.append(1.0 if raw > is_cap else 0.0)
+                mismatch.append(abs(diff))
+            if ref_logp is not None:
+                d = ref_logp[i, t] - logp[i, t]
+                k3 = torch.exp(d) - d - 1.0
+                kls.append(ref_k3_float(d.item()))
+            else:
+                k3 = 0.0
+                kls.append(0.0)
+            ratios.append(rv)
+            clipped_flags.append(1.0 if is_clipped else 0.0)
+            surrogates.append(w * surrogate.item())
+            terms.append(w * surrogate - beta * k3)
+        rows.append(terms)
+    zero = logp.sum() * 0.0  # a 0 that keeps the graph when there are no terms
+    if aggregation == "sequence":
+        total = zero + sum(sum(ts) / len(ts) for ts in rows if ts)
+        count = sum(1 for ts in rows if ts) if denominator is None else denominator
+        loss = -total / max(count, 1) if count else -total
+    elif aggregation == "token":
+        total = zero + sum(x for ts in rows for x in ts)
+        count = len(ratios) if denominator is None else denominator
+        loss = -total / count if count else -total
+    else:
+        total = zero + sum(x for ts in rows for x in ts)
+        count = n if denominator is None else denominator
+        loss = -total / (count * l_max) if count else -total / l_max
+    ntok = len(ratios)
+    stats = {
+        "kl": math.fsum(kls) / ntok,
+        "clip_fraction": math.fsum(clipped_flags) / ntok,
+        "ratio_mean": math.fsum(ratios) / ntok,
+        "policy_loss": -math.fsum(surrogates) / ntok,
+    }
+    if sampling_logp is not None:
+        stats["is_weight_mean"] = math.fsum(weights) / ntok
+        stats["is_capped_frac"] = math.fsum(capped) / ntok
+        stats["logp_mismatch"] = math.fsum(mismatch) / ntok
+    return loss, stats
+
+
+def random_variant_inputs(seed, per_token_adv, empty_row):
+    logp, old, ref, adv, mask = random_grpo_inputs(seed, per_token_adv)
+    gen = torch.Generator().manual_seed(6000 + seed)
+    # engine log-probs off by up to ~2 nats, so some weights exceed the cap of 2 and some are < 1
+    sampling = old + 0.8 * torch.randn(logp.shape, generator=gen, dtype=F64)
+    if empty_row and mask.shape[0] > 1:
+        mask = mask.clone()
+        mask[-1] = 0.0
+    return logp, old, ref, adv, mask, sampling
+
+
+@pytest.mark.parametrize("seed", list(range(6)))
+@pytest.mark.parametrize("per_token_adv", [False, True])
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+@pytest.mark.parametrize("tis", [False, True])
+def test_grpo_loss_variants_match_reference(seed, per_token_adv, aggregation, importance_level, tis):
+    logp0, old, ref, adv, mask, sampling = random_variant_inputs(seed, per_token_adv, empty_row=seed % 2 == 1)
+    beta = [0.0, 0.04, 0.5][seed % 3]
+    if importance_level == "sequence" and seed % 3 == 2:
+        clip_eps, clip_eps_high = 3e-4, 4e-4  # GSPO's typical range
+    else:
+        clip_eps, clip_eps_high = [0.2, 0.1][seed % 2], [None, 0.28][seed % 2]
+    is_cap = [None, 2.0, 1.5][seed % 3]
+    l_max = mask.shape[1] + seed % 3
+    kw = dict(clip_eps=clip_eps, beta=beta, clip_eps_high=clip_eps_high, aggregation=aggregation,
+              max_completion_length=l_max, importance_level=importance_level)
+    if tis:
+        kw.update(sampling_logp=sampling, is_cap=is_cap)
+
+    logp = logp0.clone().requires_grad_()
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+
+    logp_r = logp0.clone().requires_grad_()
+    e_loss, e_stats = ref_grpo_variants(
+        logp_r, old, ref, adv, mask, clip_eps, beta, clip_eps_high, aggregation, l_max=l_max,
+        importance_level=importance_level, sampling_logp=sampling if tis else None,
+        is_cap=2.0 if is_cap is None else is_cap,
+    )
+    (e_grad,) = torch.autograd.grad(e_loss, logp_r)
+
+    assert loss.dtype == F64 and loss.dim() == 0
+    assert_close(loss, e_loss.detach())
+    assert_close(grad, e_grad)
+    assert torch.isfinite(grad).all()
+    assert (grad[mask == 0] == 0).all()
+    for key, value in e_stats.items():
+        assert_close(stats[key], value)
+    assert set(stats) == {"kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean",
+                          "policy_loss", "tokens"} | ({"is_weight_mean", "is_capped_frac", "logp_mismatch"} if tis else set())
+    for v in stats.values():
+        assert not v.requires_grad
+
+
+@pytest.mark.parametrize("seed", list(range(4)))
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+def test_grpo_loss_external_denominator_matches_reference(seed, aggregation, importance_level):
+    logp0, old, ref, adv, mask, sampling = random_variant_inputs(seed, per_token_adv=seed % 2 == 0, empty_row=True)
+    denominator = 3.5 + seed  # any positive count, e.g. a larger step's or one scaled for averaging wrappers
+    kw = dict(beta=0.04, aggregation=aggregation, max_completion_length=12, importance_level=importance_level)
+    logp = logp0.clone().requires_grad_()
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, sampling_logp=sampling, denominator=denominator, **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp_r = logp0.clone().requires_grad_()
+    e_loss, _ = ref_grpo_variants(logp_r, old, ref, adv, mask, 0.2, 0.04, None, aggregation, l_max=12,
+                                  importance_level=importance_level, sampling_logp=sampling, denominator=denominator)
+    (e_grad,) = torch.autograd.grad(e_loss, logp_r)
+    assert_close(loss, e_loss.detach())
+    assert_close(grad, e_grad)
+
+
+@pytest.mark.parametrize("seed", list(range(6)))
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+def test_micro_batches_with_global_denominator_equal_full_batch(seed, aggregation, importance_level):
+    # Split the rows into pieces (micro-batches, or the shares of W processes); each piece
+    # back-propagates sum_local / global count. The summed losses and gradients must equal the
+    # whole batch's, to float precision.
+    rng = random.Random(7000 + seed)
+    logp0, old, ref, adv, mask, sampling = random_variant_inputs(seed, per_token_adv=seed % 2 == 0, empty_row=True)
+    n = logp0.shape[0]
+    cuts = sorted(rng.sample(range(1, n), k=min(n - 1, rng.randint(1, 3)))) if n > 1 else []
+    bounds = [0] + cuts + [n]
+    kw = dict(beta=0.04, clip_eps_high=0.28, aggregation=aggregation, max_completion_length=11,
+              importance_level=importance_level)
+
+    logp = logp0.clone().requires_grad_()
+    full, _ = grpo_loss(logp, old, ref, adv, mask, sampling_logp=sampling, **kw)
+    (full_grad,) = torch.autograd.grad(full, logp)
+
+    global_count = sum(loss_denominator(mask[a:b], aggregation) for a, b in zip(bounds, bounds[1:]))
+    assert global_count == loss_denominator(mask, aggregation)
+    logp_p = logp0.clone().requires_grad_()
+    pieces = [
+        grpo_loss(logp_p[a:b], old[a:b], ref[a:b], adv[a:b], mask[a:b], sampling_logp=sampling[a:b],
+                  denominator=global_count, **kw)[0]
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    total = sum(pieces)
+    (piece_grad,) = torch.autograd.grad(total, logp_p)
+    assert_close(total, full.detach())
+    assert_close(piece_grad, full_grad)
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_grpo_loss_gspo_tis_gradcheck(aggregation, per_token_adv):
+    gen = torch.Generator().manual_seed(23)
+    n, t_len = 3, 4
+    mask = prefix_mask([4, 1, 3], t_len)
+    old = -torch.rand(n, t_len, generator=gen, dtype=F64) * 3
+    # per-row mean log-ratios 0.5, -0.45, 0.05 put s_i at 1.65 (> 1.2), 0.64 (< 0.8) and 1.05 (inside)
+    lr = 0.2 * torch.randn(n, t_len, generator=gen, dtype=F64)
+    lr = lr - (lr * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True) + t64_col([0.5, -0.45, 0.05])
+    s = ((lr * mask).sum(1) / mask.sum(1)).exp()
+    assert s[0] > 1.2 + 0.1 and s[1] < 0.8 - 0.1 and 0.8 + 0.1 < s[2] < 1.2 - 0.1  # all regimes, off the kinks
+    logp = (old + lr).requires_grad_()
+    ref = (logp.detach() + 0.5 * torch.randn(n, t_len, generator=gen, dtype=F64)).requires_grad_()
+    sampling = old + 0.8 * torch.randn(n, t_len, generator=gen, dtype=F64)
+    shape = (n, t_len) if per_token_adv else (n,)
+    a = torch.randn(shape, generator=gen, dtype=F64)
+    adv = torch.where(a.abs() < 0.1, a + 0.3 * a.sign() + 0.2, a).requires_grad_()
+
+    def f(lp, rf, ad):
+        return grpo_loss(lp, old, rf, ad, mask, beta=0.1, aggregation=aggregation, max_completion_length=5,
+                         importance_level="sequence", sampling_logp=sampling)[0]
+
+    assert torch.autograd.gradcheck(f, (logp, ref, adv), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def t64_col(values):
+    return torch.tensor(values, dtype=F64).unsqueeze(1)

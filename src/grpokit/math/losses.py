@@ -1,4 +1,6 @@
-"""Losses: the k3 KL estimator (eq. 4), GRPO's clipped objective (eq. 3), PPO's value loss.
+"""Losses: the k3 KL estimator (eq. 4), GRPO's clipped objective (eq. 3) with its common
+variants (token / constant aggregation, GSPO's sequence ratio, truncated importance sampling),
+PPO's value loss.
 
 All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a mask
 [N, T] that is 1 on completion tokens. Pure tensor code: no models, no I/O.
@@ -6,9 +8,14 @@ All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-AGGREGATIONS = ("sequence", "token")
+AGGREGATIONS = ("sequence", "token", "constant")
+IMPORTANCE_LEVELS = ("token", "sequence")
+# Cap C of the truncated importance weight when sampling_logp is given and is_cap is not.
+DEFAULT_IS_CAP = 2.0
 
 # Below this |d| the series of exp(d) - d - 1 is exact to float64 precision, where the
 # direct form would cancel to 0 and break "k3 = 0 iff logp = ref".
@@ -35,6 +42,81 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def loss_denominator(mask: torch.Tensor, aggregation: str) -> float:
+    """The count `grpo_loss` divides by on this batch alone, for `aggregation`.
+
+    mask: [N, T]. "sequence": the number of non-empty rows; "token": the number of masked
+    tokens; "constant": N, every completion (L_max is applied by grpo_loss).
+    Sum it over the micro-batches of one optimizer step and over all processes, and pass
+    the total as grpo_loss(denominator=...): the summed losses, and so the gradients, then
+    equal those of the whole batch in one piece.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [N, T], got shape {tuple(mask.shape)}")
+    m = mask.to(torch.float64)
+    if aggregation == "sequence":
+        return float((m.sum(dim=1) > 0).sum().item())
+    if aggregation == "token":
+        return float(m.sum().item())
+    return float(mask.shape[0])
+
+
+def _check_variant_args(
+    logp: torch.Tensor,
+    aggregation: str,
+    max_completion_length: int | None,
+    importance_level: str,
+    sampling_logp: torch.Tensor | None,
+    is_cap: float | None,
+    denominator: float | torch.Tensor | None,
+) -> None:
+    """Arguments of the options beyond the paper; each message names the argument to fix."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if importance_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_level must be one of {IMPORTANCE_LEVELS}, got {importance_level!r}")
+    if max_completion_length is not None and (
+        isinstance(max_completion_length, bool)
+        or not isinstance(max_completion_length, numbers.Integral)
+        or max_completion_length < 1
+    ):
+        raise ValueError(f"max_completion_length must be an int >= 1, got {max_completion_length!r}")
+    if aggregation == "constant" and max_completion_length is None:
+        raise ValueError(
+            "aggregation='constant' divides by N * L_max and needs max_completion_length=L_max "
+            "(the generation limit); pass it, or choose aggregation='sequence' or 'token'"
+        )
+    if sampling_logp is None:
+        if is_cap is not None:
+            raise ValueError(
+                f"is_cap={is_cap!r} caps the truncated importance weight, which needs sampling_logp "
+                "(the sampling engine's log-probs); pass sampling_logp or drop is_cap"
+            )
+    elif sampling_logp.shape != logp.shape:
+        raise ValueError(f"sampling_logp has shape {tuple(sampling_logp.shape)} but logp has {tuple(logp.shape)}")
+    if is_cap is not None and not (isinstance(is_cap, numbers.Real) and is_cap > 0):
+        raise ValueError(f"is_cap must be a number > 0 (the cap C of the importance weight), got {is_cap!r}")
+    if denominator is not None:
+        if isinstance(denominator, torch.Tensor):
+            if denominator.dim() != 0:
+                raise ValueError(f"denominator must be a scalar, got a tensor of shape {tuple(denominator.shape)}")
+        elif isinstance(denominator, bool) or not isinstance(denominator, numbers.Real) or not denominator >= 0:
+            raise ValueError(
+                f"denominator must be a count >= 0 (loss_denominator summed over micro-batches and "
+                f"processes), got {denominator!r}"
+            )
+
+
+def _divide(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
+    """total / count, with a count of 0 (nothing to average: total is 0 too) read as 1."""
+    if isinstance(count, torch.Tensor):
+        count = count.to(total.dtype)
+        return total / torch.where(count > 0, count, torch.ones_like(count))
+    return total / (count if count > 0 else 1.0)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -45,19 +127,48 @@ def grpo_loss(
     beta: float = 0.04,
     clip_eps_high: float | None = None,
     aggregation: str = "sequence",
+    *,
+    max_completion_length: int | None = None,
+    importance_level: str = "token",
+    sampling_logp: torch.Tensor | None = None,
+    is_cap: float | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's loss, -J_GRPO (SPEC eq. 3).
+    """GRPO's loss, -J_GRPO (SPEC eq. 3), and the common variants of it.
 
-    logp, old_logp, ref_logp, mask: [N, T]; advantages: [N] (outcome) or [N, T] (process).
-    Per token: term = min(rho A, clip(rho, 1-eps, 1+eps_high) A) - beta k3, rho = exp(logp - old_logp).
+    logp, old_logp, ref_logp, mask, sampling_logp: [N, T]; advantages: [N] (outcome) or [N, T] (process).
+    Per token: term = w * min(rho A, clip(rho, 1-eps, 1+eps_high) A) - beta k3.
+
+    importance_level "token":    rho_{i,t} = exp(logp - old_logp), the paper's per-token ratio.
+                     "sequence": rho_{i,t} = s_i = exp(sum_t m (logp - old_logp) / sum_t m), one
+                                 length-normalised ratio per output (GSPO, Zheng et al. 2025,
+                                 arXiv:2507.18071); the gradient flows through s_i, the KL stays
+                                 per token. With [N] advantages every token of output i carries
+                                 the same term; with [N, T] advantages token t uses its own
+                                 A_{i,t} with the shared s_i. A row with an empty mask gets s_i = 1.
+    w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the
+       truncated importance weight w_t = min(exp(old_logp - sampling_logp), C), detached,
+       C = is_cap (default 2.0): the samples came from the engine, not from pi_theta_old.
     aggregation "sequence": -mean_i(sum_t m term / sum_t m), the paper's 1/|o_i| then 1/G;
-                "token":    -sum m term / sum m (DAPO).
-    Rows with an all-zero mask (e.g. a failed reward) are left out of the sequence mean.
+                            rows with an all-zero mask (e.g. a failed reward) are left out.
+                "token":    -sum m term / sum m (DAPO, Yu et al. 2025, arXiv:2503.14476).
+                "constant": -sum m term / (N * L_max), L_max = max_completion_length (Dr. GRPO,
+                            Liu et al. 2025, arXiv:2503.20783): no output is weighted by its own
+                            length. max_completion_length is required here and unused otherwise.
+    denominator: replaces the count divided by -- the non-empty rows, the masked tokens, or N --
+       with one counted over the whole optimizer step (loss_denominator summed over micro-batches
+       and processes), so each piece back-propagates sum_local / global count and the pieces
+       add up to the loss of the whole batch. A count of 0 is read as 1 (the sum is 0 too).
     ref_logp may be None only when beta == 0.
-    Returns (loss, stats); stats are detached scalars: kl, clip_fraction, ratio_mean, ...
+    Returns (loss, stats); stats are detached scalars over this batch's masked tokens: kl,
+    clip_fraction(_low/_high), ratio_mean (of the ratio used: s_i on every token under
+    "sequence"), policy_loss (-mean of w * surrogate), tokens; with sampling_logp also
+    is_weight_mean, is_capped_frac (share of tokens whose weight was capped) and
+    logp_mismatch (mean |old_logp - sampling_logp|).
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    _check_variant_args(
+        logp, aggregation, max_completion_length, importance_level, sampling_logp, is_cap, denominator
+    )
     if logp.dim() != 2:
         raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
     for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
@@ -77,20 +188,41 @@ def grpo_loss(
     m = mask.to(logp.dtype)
     advantages = advantages.to(logp.dtype)
 
-    ratio = torch.exp(logp - old_logp)
+    if importance_level == "sequence":
+        # GSPO: the mean log-ratio over the output's tokens; padding never enters, and an
+        # empty row gets log s = 0 / 1 = 0 instead of 0 / 0.
+        log_ratio = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
+        seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+        ratio = torch.exp(seq_log_ratio).expand_as(logp)
+    else:
+        ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
+    if sampling_logp is not None:
+        cap = DEFAULT_IS_CAP if is_cap is None else float(is_cap)
+        with torch.no_grad():  # TIS: a correction of the sampling distribution, not a thing to optimise
+            raw_weight = torch.exp(old_logp - sampling_logp)
+            is_weight = torch.where(m > 0, raw_weight.clamp(max=cap), torch.ones_like(raw_weight))
+        policy_term = is_weight * surrogate
+    else:
+        policy_term = surrogate
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    term = surrogate - beta * kl
+    term = policy_term - beta * kl
 
     if aggregation == "sequence":
         lengths = m.sum(dim=1)
         rows = lengths > 0
         per_seq = (term * m).sum(dim=1) / lengths.clamp(min=1)
-        loss = -(per_seq * rows).sum() / rows.sum().clamp(min=1)
+        total = (per_seq * rows).sum()
+        loss = -_divide(total, rows.sum() if denominator is None else denominator)
+    elif aggregation == "token":
+        total = (term * m).sum()
+        loss = -_divide(total, m.sum() if denominator is None else denominator)
     else:
-        loss = -_masked_mean(term, m)
+        total = (term * m).sum()
+        n_completions = logp.shape[0] if denominator is None else denominator
+        loss = -_divide(total, n_completions) / max_completion_length
 
     with torch.no_grad():
         # The clip is active where min() chose the clipped term and it differs.
@@ -102,9 +234,14 @@ def grpo_loss(
             "clip_fraction_low": _masked_mean(low.to(m.dtype), m),
             "clip_fraction_high": _masked_mean(high.to(m.dtype), m),
             "ratio_mean": _masked_mean(ratio, m),
-            "policy_loss": -_masked_mean(surrogate, m),
+            "policy_loss": -_masked_mean(policy_term, m),
             "tokens": m.sum(),
         }
+        if sampling_logp is not None:
+            mismatch = torch.where(m > 0, (old_logp - sampling_logp).abs(), torch.zeros_like(m))
+            stats["is_weight_mean"] = _masked_mean(is_weight, m)
+            stats["is_capped_frac"] = _masked_mean((raw_weight > cap).to(m.dtype), m)
+            stats["logp_mismatch"] = _masked_mean(mismatch, m)
     return loss, stats
 
 
