@@ -1,0 +1,223 @@
+"""Chain-of-thought and tool-integrated reasoning (TIR) prompts, as DeepSeekMath evaluates them
+(paper, Table 5), and a model-free driver for TIR rollouts.
+
+In TIR the model interleaves reasoning with ```python blocks. Generation stops at the
+string "```output"; the program runs in the sandbox, its output is appended, and the model
+continues from there:
+
+    We need 2 to the 10th power.
+    ```python
+    print(2**10)
+    ```
+    ```output
+    1024
+    ```
+    So the answer is $\\boxed{1024}$.
+
+Following DeepSeekMath's evaluation code, a program is the latest block together with the
+earlier blocks of the same completion minus their top-level print lines (variables carry
+over, old prints stay quiet); an output longer than 100 characters shows its first and last
+50; a failed program shows the last line of its traceback; a program past its deadline
+shows "Timeout Error".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from grpokit.data.templates import COT_INSTRUCTION
+from grpokit.rewards.answers import boxed_contents
+from grpokit.sandbox import SandboxResult, run_many
+
+TIR_INSTRUCTION = (
+    "Please integrate natural language reasoning with programs to solve the problem above, "
+    "and put your final answer within \\boxed{}."
+)
+INSTRUCTIONS = {"cot": COT_INSTRUCTION, "tir": TIR_INSTRUCTION}
+OUTPUT_STOP = "```output"
+# DeepSeekMath shows at most 100 characters of a program's output: the first and last 50.
+MAX_OUTPUT_CHARS = 100
+TIMEOUT_OUTPUT = "Timeout Error"
+
+_PYTHON_BLOCK = re.compile(r"```python(.*?)```", re.DOTALL)
+_OUTPUT_BLOCK = re.compile(r"```output\n(.*?)\n```", re.DOTALL)
+
+
+def build_prompt(question: str, mode: str) -> str:
+    """The user turn: the question, a newline, and the instruction of `mode` ("cot" or "tir")."""
+    if mode not in INSTRUCTIONS:
+        raise ValueError(f"prompt mode must be one of {sorted(INSTRUCTIONS)}, got {mode!r}")
+    return f"{question}\n{INSTRUCTIONS[mode]}"
+
+
+def plain_chat(prompt: str) -> str:
+    """DeepSeekMath's chat layout for models without a chat template (the prompt stripped)."""
+    return f"User: {prompt.strip()}\n\nAssistant:"
+
+
+def _before_stop(text: str) -> str:
+    """`text` without a trailing "```output" (and whitespace after it)."""
+    stripped = text.rstrip()
+    return stripped[: -len(OUTPUT_STOP)] if stripped.endswith(OUTPUT_STOP) else text
+
+
+def python_blocks(text: str) -> list[str]:
+    """The closed ```python blocks of `text`, stripped, empty ones left out, in order."""
+    return [b for b in (m.group(1).strip() for m in _PYTHON_BLOCK.finditer(text)) if b]
+
+
+def last_python_block(text: str) -> str | None:
+    """The last closed ```python block before a trailing "```output"; None when there is none.
+    As a rollout's `program_fn`, each block runs on its own (ToRA's choice)."""
+    blocks = python_blocks(_before_stop(text))
+    return blocks[-1] if blocks else None
+
+
+def cumulative_program(text: str) -> str | None:
+    """The program DeepSeekMath's evaluation runs for a completion that stopped at "```output".
+
+    The completion must end with a closing fence right before "```output". The program is
+    every earlier block's lines except top-level lines containing "print(" (lines that are
+    indented or start with "import" or "def " always stay), then the last block whole.
+    None when there is nothing to run.
+    """
+    text = _before_stop(text)
+    if not text.rstrip().endswith("```"):
+        return None
+    blocks = python_blocks(text)
+    if not blocks:
+        return None
+    kept = [
+        line
+        for block in blocks[:-1]
+        for line in block.split("\n")
+        if line.startswith(("    ", "import", "def ")) or "print(" not in line
+    ]
+    return "\n".join([*kept, blocks[-1]]).strip()
+
+
+def shorten(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
+    """`text` when at most `limit` characters, else its first and last limit/2 around "..."."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + "..." + text[-half:]
+
+
+def format_tool_output(result: SandboxResult) -> str:
+    """The output block the model sees: "```output\\n{shown}\\n```\\n".
+
+    shown is "Timeout Error" for a timeout, the last traceback line for a failure (what the
+    program printed before failing is dropped), else stdout; stripped and cut to 100 characters.
+    """
+    if result.timed_out:
+        shown = TIMEOUT_OUTPUT
+    elif result.error is not None:
+        shown = result.error
+    else:
+        shown = result.stdout
+    return f"{OUTPUT_STOP}\n{shorten(shown.strip()).strip()}\n```\n"
+
+
+def final_answer(text: str) -> str | None:
+    """The content of the last non-empty \\boxed{} (nested braces matched), else the content
+    of the last ```output block (a rollout cut at its tool-call limit ends on one), else None."""
+    boxes = [b.strip() for b in boxed_contents(text) if b.strip()]
+    if boxes:
+        return boxes[-1]
+    outputs = [o.strip() for o in _OUTPUT_BLOCK.findall(text)]
+    return outputs[-1] if outputs and outputs[-1] else None
+
+
+@dataclass
+class TIRTrace:
+    """One prompt's rollout.
+
+    completion: everything after the prompt: the model's text, verbatim, with tool output inserted.
+    tool_spans: [start, end) character ranges of `completion` written by the tool, not the
+        model (the text after each "```output" up to and including the closing fence and
+        newline), so a loss can mask them.
+    stop_reason: "answer" (the model ended without calling a tool), "tool_limit" (it called
+        one in the last allowed round; that output is the completion's end), or "no_program"
+        (it wrote "```output" with no program to run).
+    """
+
+    prompt: str
+    completion: str = ""
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)
+    tool_calls: int = 0
+    stop_reason: str = ""
+    tool_results: list[SandboxResult] = field(default_factory=list, repr=False)
+
+    @property
+    def answer(self) -> str | None:
+        return final_answer(self.completion)
+
+
+def _stopped_at_output(continuation: str) -> str | None:
+    """What follows the trailing "```output" when generation stopped there (a tokenizer's last
+    token may overhang it by whitespace), else None."""
+    at = continuation.rfind(OUTPUT_STOP)
+    if at < 0:
+        return None
+    overhang = continuation[at + len(OUTPUT_STOP) :]
+    return overhang if not overhang.strip() else None
+
+
+def tir_rollout(
+    generate_fn: Callable[[list[str]], Sequence[str]],
+    prompts: Sequence[str],
+    max_tool_calls: int = 4,
+    run_fn: Callable[[list[str]], Sequence[SandboxResult]] = run_many,
+    program_fn: Callable[[str], str | None] = cumulative_program,
+) -> list[TIRTrace]:
+    """Multi-turn TIR rollouts for `prompts`, in at most `max_tool_calls` rounds.
+
+    generate_fn(contexts) -> continuations, one per context (prompt + completion so far). It
+    must stop at "```output" and keep that string at the end of the continuation (vLLM:
+    include_stop_str_in_output=True; transformers' stop_strings keeps it); a continuation
+    without it has finished. Each round, the programs of all contexts that stopped there go
+    to run_fn in one batch and their output is appended. As in ToRA and DeepSeekMath's
+    evaluation, the output of the last round's programs ends the completion: the model is
+    not called again, and `final_answer` falls back to that output.
+    """
+    if max_tool_calls < 1:
+        raise ValueError(f"max_tool_calls must be at least 1 (one round of generation), got {max_tool_calls}")
+    traces = [TIRTrace(prompt=p) for p in prompts]
+    active = list(range(len(traces)))
+    for _ in range(max_tool_calls):
+        if not active:
+            break
+        continuations = list(generate_fn([traces[i].prompt + traces[i].completion for i in active]))
+        if len(continuations) != len(active):
+            raise ValueError(f"generate_fn returned {len(continuations)} continuations for {len(active)} contexts")
+        calls: list[tuple[int, str, str]] = []  # (trace index, program, overhang after "```output")
+        for i, continuation in zip(active, continuations):
+            trace = traces[i]
+            trace.completion += continuation
+            overhang = _stopped_at_output(continuation)
+            if overhang is None:
+                trace.stop_reason = "answer"
+                continue
+            program = program_fn(trace.completion)
+            if program is None:
+                trace.stop_reason = "no_program"
+                continue
+            calls.append((i, program, overhang))
+        results = list(run_fn([program for _, program, _ in calls])) if calls else []
+        for (i, _, overhang), result in zip(calls, results, strict=True):
+            trace = traces[i]
+            injected = format_tool_output(result)[len(OUTPUT_STOP) :]
+            if "\n" in overhang:  # the model already wrote the newline after "```output"
+                injected = injected[1:]
+            start = len(trace.completion)
+            trace.completion += injected
+            trace.tool_spans.append((start, len(trace.completion)))
+            trace.tool_calls += 1
+            trace.tool_results.append(result)
+        active = [i for i, _, _ in calls]
+    for i in active:
+        traces[i].stop_reason = "tool_limit"
+    return traces
