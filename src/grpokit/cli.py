@@ -67,7 +67,7 @@ def own_options(parser: argparse.ArgumentParser) -> set[str]:
 
 def join_override_values(argv: list[str]) -> list[str]:
     """`--key value` -> `--key=value` for config keys, so a value is never taken for the CONFIG path."""
-    own = own_options(_parser()) - {"--output-dir", "--output_dir", "--seed"}
+    own = own_options(_parser()) - {"--output_dir"}  # the config key's own spelling joins like any key
     out: list[str] = []
     i = 0
     while i < len(argv):

@@ -170,7 +170,7 @@ class RewardConfig:
 class RewardModelConfig:
     kind: Literal["none", "outcome", "process"] = opt(
         "none", "learned reward: none, outcome (a scalar per completion; outcome supervision) or process "
-                "(a score per step; process supervision, SPEC eq. 6)")
+                "(a score per step; process supervision, eq. 6)")
     path: str = opt("", "trained reward model (from grpokit train-rm); the demo trains one when empty")
     weight: float = opt(1.0, "weight of an outcome reward model's score beside the rule-based rewards")
     step_delimiter: str = opt("\n", "what ends a reasoning step for a process reward model (e.g. \\n\\n, or a tag)")

@@ -74,7 +74,7 @@ def masked_outcome_advantages(
 def outcome_advantages(
     rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = DEFAULT_EPS
 ) -> torch.Tensor:
-    """GRPO outcome supervision (SPEC eq. 5): A_i = (r_i - mean(r)) / (std(r) + eps).
+    """GRPO outcome supervision (docs/algorithm.md, eq. 5): A_i = (r_i - mean(r)) / (std(r) + eps).
 
     rewards: [N], groups of `group_size` contiguous. std is the unbiased sample std.
     scale=False gives r_i - mean(r) (Dr. GRPO). An all-equal group gives exactly 0.
@@ -102,7 +102,7 @@ def process_advantages(
     group_size: int,
     eps: float = DEFAULT_EPS,
 ) -> torch.Tensor:
-    """GRPO process supervision (SPEC eq. 6).
+    """GRPO process supervision (docs/algorithm.md, eq. 6).
 
     step_rewards[i][j]: reward of step j of completion i; step_ends[i][j]: 0-based index of
     that step's last token; num_tokens[i]: completion length. Step rewards are normalised
@@ -155,7 +155,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation for the PPO baseline (SPEC eq. 1-2).
+    """Generalised advantage estimation for the PPO baseline (docs/algorithm.md, eq. 1-2).
 
     rewards, values, mask: [N, T]. Over each row's valid tokens (in order, skipping masked
     positions): delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past the last valid token,

@@ -23,7 +23,7 @@ _K3_SERIES_BELOW = 1e-3
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Unbiased, non-negative KL estimator (SPEC eq. 4), elementwise.
+    """Unbiased, non-negative KL estimator (docs/algorithm.md, eq. 4), elementwise.
 
     With d = ref_logp - logp: k3 = exp(d) - d - 1 >= 0, zero iff logp == ref_logp.
     """
@@ -134,7 +134,7 @@ def grpo_loss(
     is_cap: float | None = None,
     denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's loss, -J_GRPO (SPEC eq. 3), and the common variants of it.
+    """GRPO's loss, -J_GRPO (docs/algorithm.md, eq. 3), and the common variants of it.
 
     logp, old_logp, ref_logp, mask, sampling_logp: [N, T]; advantages: [N] (outcome) or [N, T] (process).
     Per token: term = w * min(rho A, clip(rho, 1-eps, 1+eps_high) A) - beta k3.
@@ -270,7 +270,7 @@ def value_loss(
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Outcome reward model loss (SPEC, reward sources): mean of -log sigma(r(q, chosen) - r(q, rejected)).
+    """Outcome reward model loss (docs/algorithm.md, reward sources): mean of -log sigma(r(q, chosen) - r(q, rejected)).
 
     chosen, rejected: [N] scalar rewards of the two completions of each pair. logsigmoid keeps
     it finite for large margins, where log(sigmoid(x)) would round to log(0).

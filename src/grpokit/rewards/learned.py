@@ -8,7 +8,7 @@ model (one score per reasoning step), both Hugging Face checkpoints with a scala
 Reward models always read text, tokenized with their own tokenizer, in training and in
 scoring alike; so a reward model whose tokenizer differs from the policy's is never
 misaligned. Step ends come back as character offsets, and `policy_step_ends` maps them onto
-the policy's own sampled tokens for process advantages (SPEC eq. 6).
+the policy's own sampled tokens for process advantages (docs/algorithm.md, eq. 6).
 """
 
 from __future__ import annotations

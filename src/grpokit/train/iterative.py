@@ -1,4 +1,4 @@
-"""Iterative GRPO (SPEC.md, Algorithm 1): the reward model follows the policy.
+"""Iterative GRPO (docs/algorithm.md, Algorithm 1): the reward model follows the policy.
 
     for iteration k = 1..K:
         pi_ref <- pi_theta

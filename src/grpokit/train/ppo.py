@@ -1,4 +1,4 @@
-"""PPO as DeepSeekMath describes it (SPEC.md eq. 1-2): the baseline GRPO removes.
+"""PPO as DeepSeekMath describes it (docs/algorithm.md, eq. 1-2): the baseline GRPO removes.
 
 Same rollout, rewards, checkpointing and training loop as GRPO (train/loop.py); only the
 learning step differs:
@@ -30,7 +30,7 @@ CRITIC_DIR = "critic"
 
 def shaped_token_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
                          mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """PPO's per-token reward (SPEC eq. 2): -beta (logp_old - logp_ref) on every completion token,
+    """PPO's per-token reward (docs/algorithm.md, eq. 2): -beta (logp_old - logp_ref) on every completion token,
     plus the outcome reward on the last one. scores: [N]; the rest [N, T]. Zero outside the mask."""
     m = mask.to(old_logp.dtype)
     kl_penalty = -beta * (old_logp - ref_logp) if ref_logp is not None else torch.zeros_like(old_logp)
