@@ -249,3 +249,29 @@ def test_arguments_are_checked():
         token_logprobs(model, ids, mask, 13)
     with pytest.raises(ValueError, match="differ"):
         token_logprobs(model, ids, mask[:, 1:], PROMPT)
+
+
+def test_target_log_softmax_gradient_in_float64():
+    from grpokit.rollout.logprobs import _TargetLogSoftmax
+
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(2, 3, 11, generator=g, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 11, (2, 3), generator=g)
+    torch.testing.assert_close(
+        _TargetLogSoftmax.apply(logits, targets),
+        torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1),
+    )
+    assert torch.autograd.gradcheck(lambda x: _TargetLogSoftmax.apply(x, targets), (logits,))
+
+
+def test_bfloat16_model_matches_its_own_logits_and_trains():
+    model = tiny_lm("qwen2", tied=False).to(torch.bfloat16)
+    ids, mask = padded_batch()
+    expected, _ = full_logits_logprobs(model, ids, mask, 0.7)
+    logp, _ = token_logprobs(model, ids, mask, PROMPT, 0.7, chunk_size=4)
+    assert logp.dtype == torch.float32
+    # Same bfloat16 ops as the forward; only matmul shapes differ, which may round differently.
+    torch.testing.assert_close(logp, expected, atol=1e-3, rtol=1e-3)
+    logp.sum().backward()
+    head_grad = model.get_output_embeddings().weight.grad
+    assert head_grad.dtype == torch.bfloat16 and torch.isfinite(head_grad).all() and head_grad.abs().sum() > 0

@@ -3,10 +3,11 @@
 For the common transformers causal LMs the backbone runs on its own, its hidden states are
 kept only at the positions that predict completion tokens, and the LM head is applied to
 tiles of at most `chunk_size` positions (rows x sequence positions) at a time. Each tile is
-reduced at once to the target's logit minus the log-sum-exp over the vocabulary, so at most
-one [chunk_size, vocab] block of float32 logits lives at a time, instead of
-N x (P + T) x vocab. When gradients are on, each tile runs under activation checkpointing:
-backward recomputes that tile's logits rather than keeping every tile's logits alive.
+reduced at once to the target's logit minus the log-sum-exp over the vocabulary, so a tile's
+float32 logits and one working copy are the only vocabulary-sized tensors alive, instead of
+N x (P + T) x vocab logits. When gradients are on, each tile runs under activation
+checkpointing: backward recomputes that tile's logits rather than every tile keeping its own,
+and builds the tile's gradient, onehot(target) - softmax, in a single buffer.
 
 Other models run their own forward (asking for the last T + 1 logits only, where the forward
 accepts `logits_to_keep`) and their logits go through the same tiles.
@@ -148,8 +149,9 @@ def _chunked_stats(
     for r in range(0, rows, rows_per_tile):
         logp_tiles, entropy_tiles = [], []
         for c in range(0, length, positions_per_tile):
-            args = (head, softcap, features[r : r + rows_per_tile, c : c + positions_per_tile],
-                    targets[r : r + rows_per_tile, c : c + positions_per_tile], temperature, with_entropy)
+            args = (head, softcap, temperature, [with_entropy],
+                    features[r : r + rows_per_tile, c : c + positions_per_tile],
+                    targets[r : r + rows_per_tile, c : c + positions_per_tile])
             if needs_grad:
                 # Backward recomputes this tile's logits instead of every tile keeping its own.
                 logp, entropy = checkpoint(_tile_stats, *args, use_reentrant=False, preserve_rng_state=False)
@@ -166,12 +168,15 @@ def _chunked_stats(
 def _tile_stats(
     head: Callable[[torch.Tensor], torch.Tensor],
     softcap: float | None,
+    temperature: float,
+    entropy_pending: list[bool],
     features: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / temperature)[target] and, without gradients, the entropy, for one tile."""
+    """log softmax(logits / temperature)[target] and, without gradients, the entropy, for one tile.
+
+    Each step rebinds `logits`, so at most two vocabulary-sized tiles are alive at once.
+    """
     logits = head(features)
     if softcap is not None:
         # In the head's dtype, in the same order as the transformers forward.
@@ -179,11 +184,33 @@ def _tile_stats(
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    logp = _TargetLogSoftmax.apply(logits, targets)
     entropy = None
-    if with_entropy:
+    if entropy_pending[0]:
+        entropy_pending[0] = False  # computed once: backward's recomputation of the tile skips it
         with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = log_norm - (probs * logits).sum(-1)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            probs = (logits - log_norm.unsqueeze(-1)).exp_()
+            entropy = log_norm - probs.mul_(logits).sum(-1)
     return logp, entropy
+
+
+class _TargetLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits)[..., targets] that keeps only `logits` and the log-normaliser for backward.
+
+    Its backward builds the gradient onehot(target) - softmax(logits) in one tile, where the
+    composed logsumexp and gather backwards allocate several.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_norm = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, log_norm, targets)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, log_norm, targets = ctx.saved_tensors
+        grad_logp = grad_logp.unsqueeze(-1)
+        grad = (logits - log_norm.unsqueeze(-1)).exp_().mul_(-grad_logp)
+        return grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp), None
