@@ -154,7 +154,8 @@ def _chunked_stats(
                     targets[r : r + rows_per_tile, c : c + positions_per_tile])
             if needs_grad:
                 # Backward recomputes this tile's logits instead of every tile keeping its own.
-                logp, entropy = checkpoint(_tile_stats, *args, use_reentrant=False, preserve_rng_state=False)
+                # RNG state is kept so a head with dropout (e.g. LoRA on lm_head) recomputes the same mask.
+                logp, entropy = checkpoint(_tile_stats, *args, use_reentrant=False)
             else:
                 logp, entropy = _tile_stats(*args)
             logp_tiles.append(logp)
