@@ -1,12 +1,50 @@
-"""Per-token log-probs of given tokens under a causal LM, micro-batched.
+"""Per-token log-probs of given tokens under a causal LM, micro-batched and chunked.
 
-Only the completion columns are turned into log-softmax, one micro-batch at a time,
-so peak memory is micro_batch x T x vocab rather than N x (P + T) x vocab.
+For the common transformers causal LMs the backbone runs on its own, its hidden states are
+kept only at the positions that predict completion tokens, and the LM head is applied to
+tiles of at most `chunk_size` positions (rows x sequence positions) at a time. Each tile is
+reduced at once to the target's logit minus the log-sum-exp over the vocabulary, so a tile's
+float32 logits and one working copy are the only vocabulary-sized tensors alive, instead of
+N x (P + T) x vocab logits. When gradients are on, each tile runs under activation
+checkpointing: backward recomputes that tile's logits rather than every tile keeping its own,
+and builds the tile's gradient, onehot(target) - softmax, in a single buffer.
+
+Other models run their own forward (asking for the last T + 1 logits only, where the forward
+accepts `logits_to_keep`) and their logits go through the same tiles.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# transformers model types whose causal-LM forward is exactly `lm_head(decoder(...)[0])`,
+# optionally followed by `final_logit_softcapping` (applied here the same way). Others, such
+# as Cohere (logit_scale) or Granite (logits_scaling), rescale logits in their own forward,
+# so they take the model's forward path. tests/test_logprobs.py checks each entry against
+# the model's own logits.
+PLAIN_HEAD_MODEL_TYPES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "llama",
+        "mistral",
+        "mixtral",
+        "olmo2",
+        "phi",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+        "starcoder2",
+    }
+)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -22,31 +60,158 @@ def token_logprobs(
     temperature: float = 1.0,
     micro_batch_size: int = 32,
     with_entropy: bool = False,
+    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of input_ids[:, prompt_length:] given everything before them.
 
-    input_ids, attention_mask: [N, P + T]. Returns (logp [N, T], entropy [N, T] or None).
-    Logits are divided by `temperature`, so logp is the log-prob under the distribution
-    the rollout sampled from. Gradients flow when called outside torch.no_grad().
+    input_ids, attention_mask: [N, P + T]. Returns (logp [N, T], entropy [N, T] or None) on
+    the model's device. Logits are divided by `temperature`, so logp is the log-prob under
+    the distribution the rollout sampled from. Gradients flow when called outside
+    torch.no_grad(); entropy never carries gradients. `chunk_size` bounds how many positions
+    (rows x sequence positions together) get vocabulary-sized logits at once.
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
     if not 0 < prompt_length < input_ids.shape[1]:
         raise ValueError(f"prompt_length={prompt_length} must lie in (0, {input_ids.shape[1]})")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of positions")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be a positive number of rows")
     device = next(model.parameters()).device
+    completion_length = input_ids.shape[1] - prompt_length
+    split = backbone_and_head(model)
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         ids = input_ids[start : start + micro_batch_size].to(device)
         mask = attention_mask[start : start + micro_batch_size].to(device)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-        # Logit at column c predicts token c + 1: completion tokens are predicted by P-1 .. L-2.
-        logits = out.logits[:, prompt_length - 1 : -1].float() / temperature
-        targets = ids[:, prompt_length:]
-        log_norm = torch.logsumexp(logits, dim=-1)
-        logps.append(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm)
-        if with_entropy:
-            with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1)
-                entropies.append(log_norm - (probs * logits).sum(-1))
+        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
+        # Column c predicts token c + 1: completion tokens are predicted by columns P-1 .. L-2.
+        if split is not None:
+            decoder, head, softcap = split
+            features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
+        else:
+            if _accepts_logits_to_keep(model):
+                inputs["logits_to_keep"] = completion_length + 1
+            features = model(**inputs).logits[:, -(completion_length + 1) : -1]
+            head, softcap = _identity, None  # the model's forward already applied its head
+        logp, entropy = _chunked_stats(
+            head, softcap, features, ids[:, prompt_length:], temperature, with_entropy, chunk_size
+        )
+        logps.append(logp)
+        entropies.append(entropy)
     logp = torch.cat(logps)
     return logp, (torch.cat(entropies) if with_entropy else None)
+
+
+def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, float | None] | None:
+    """(decoder, LM head, final logit softcap) for models the chunked path knows, else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is model or not isinstance(head, torch.nn.Module):
+        return None
+    return decoder, head, getattr(config, "final_logit_softcapping", None)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "logits_to_keep" in parameters
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _chunked_stats(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    softcap: float | None,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-position (logp, entropy) over tiles of `features` [rows, T, D] of at most chunk_size positions."""
+    rows, length = targets.shape
+    # Whole rows per tile when a row fits, else slices of one row; tiles are views, never copies.
+    rows_per_tile = max(1, chunk_size // length)
+    positions_per_tile = min(length, chunk_size)
+    parameters = head.parameters() if isinstance(head, torch.nn.Module) else ()
+    needs_grad = torch.is_grad_enabled() and (features.requires_grad or any(p.requires_grad for p in parameters))
+    logp_rows, entropy_rows = [], []
+    for r in range(0, rows, rows_per_tile):
+        logp_tiles, entropy_tiles = [], []
+        for c in range(0, length, positions_per_tile):
+            args = (head, softcap, temperature, [with_entropy],
+                    features[r : r + rows_per_tile, c : c + positions_per_tile],
+                    targets[r : r + rows_per_tile, c : c + positions_per_tile])
+            if needs_grad:
+                # Backward recomputes this tile's logits instead of every tile keeping its own.
+                # RNG state is kept so a head with dropout (e.g. LoRA on lm_head) recomputes the same mask.
+                logp, entropy = checkpoint(_tile_stats, *args, use_reentrant=False)
+            else:
+                logp, entropy = _tile_stats(*args)
+            logp_tiles.append(logp)
+            entropy_tiles.append(entropy)
+        logp_rows.append(torch.cat(logp_tiles, dim=1))
+        if with_entropy:
+            entropy_rows.append(torch.cat(entropy_tiles, dim=1))
+    return torch.cat(logp_rows), (torch.cat(entropy_rows) if with_entropy else None)
+
+
+def _tile_stats(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    softcap: float | None,
+    temperature: float,
+    entropy_pending: list[bool],
+    features: torch.Tensor,
+    targets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[target] and, without gradients, the entropy, for one tile.
+
+    Each step rebinds `logits`, so at most two vocabulary-sized tiles are alive at once.
+    """
+    logits = head(features)
+    if softcap is not None:
+        # In the head's dtype, in the same order as the transformers forward.
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = _TargetLogSoftmax.apply(logits, targets)
+    entropy = None
+    if entropy_pending[0]:
+        entropy_pending[0] = False  # computed once: backward's recomputation of the tile skips it
+        with torch.no_grad():
+            log_norm = torch.logsumexp(logits, dim=-1)
+            probs = (logits - log_norm.unsqueeze(-1)).exp_()
+            entropy = log_norm - probs.mul_(logits).sum(-1)
+    return logp, entropy
+
+
+class _TargetLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits)[..., targets] that keeps only `logits` and the log-normaliser for backward.
+
+    Its backward builds the gradient onehot(target) - softmax(logits) in one tile, where the
+    composed logsumexp and gather backwards allocate several.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_norm = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, log_norm, targets)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, log_norm, targets = ctx.saved_tensors
+        grad_logp = grad_logp.unsqueeze(-1)
+        grad = (logits - log_norm.unsqueeze(-1)).exp_().mul_(-grad_logp)
+        return grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp), None
