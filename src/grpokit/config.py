@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any, Literal, Optional
 
 import pydantic
 import yaml
+
+from grpokit.loggers import TrackerError, check_trackers
 
 
 class ConfigError(ValueError):
@@ -129,9 +132,15 @@ class GRPOConfig:
     epsilon_high: Optional[float] = opt(None, "upper clip range (DAPO's clip-higher); None = epsilon")
     num_iterations: int = opt(1, "mu, policy updates per batch of samples; 1 = the paper")
     num_minibatches: int = opt(1, "optimizer steps per policy update; the B x G samples are split into these")
-    loss_aggregation: Literal["sequence", "token"] = opt(
-        "sequence", "sequence = eq. 3's per-output mean (TRL loss_type grpo); token = DAPO"
+    loss_aggregation: Literal["sequence", "token", "constant"] = opt(
+        "sequence", "sequence = eq. 3's per-output mean (TRL loss_type grpo); token = DAPO; constant = Dr. GRPO "
+                    "(sum over tokens / (N x max_completion_length))"
     )
+    importance_sampling_level: Literal["token", "sequence"] = opt(
+        "token", "token = eq. 3's per-token ratio; sequence = GSPO's length-normalised sequence ratio")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample fresh questions "
+                                        "until the step holds prompts_per_step groups with a spread")
+    max_generation_rounds: int = opt(4, "dynamic sampling: most sampling rounds per step; then it trains on what it has")
     scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
     mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
     temperature: float = opt(0.7, "sampling temperature of the rollouts (the policy trained is the tempered one)")
@@ -200,6 +209,11 @@ class RolloutConfig:
                                               "(a colocated vLLM engine, synced after every optimizer step)")
     kv_cache_gb: float = opt(1.0, "vllm: memory its KV cache may take, in GiB")
     sleep_mode: bool = opt(True, "vllm on CUDA: free the KV cache during the update (enable_sleep_mode)")
+    max_model_len: int = opt(0, "vllm: longest prompt + completion in tokens; 0 = the model's max_position_embeddings")
+    is_correction: Literal["none", "tis"] = opt(
+        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling), "
+                "for an engine whose log-probs differ from the trainer's")
+    is_cap: float = opt(2.0, "the cap C of the TIS weight")
 
 
 @dataclass
@@ -228,6 +242,9 @@ class Config:
     iterative: IterativeConfig = opt(IterativeConfig, "iterative GRPO: refresh the reward model between iterations")
     rollout: RolloutConfig = opt(RolloutConfig, "the rollout engine that samples completions")
     eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = opt(
+        [], "experiment trackers to log every step to, beside metrics.jsonl (each an extra: pip install "
+            "'grpokit[wandb]' ...)")
     stages: list[Literal["sft", "train"]] = opt(["train"], "what `grpokit demo` runs: sft (train pi_SFT on the "
                                                            "task's demonstrations), then train (RL from it)")
 
@@ -431,11 +448,20 @@ def validate(config: Config) -> None:
         (config.data.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {config.data.max_prompt_length}"),
         (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
         (0 <= config.data.heldout_fraction < 1, "data.heldout_fraction must lie in [0, 1)"),
+        (g.max_generation_rounds >= 1, f"grpo.max_generation_rounds must be >= 1, got {g.max_generation_rounds}"),
+        (config.rollout.is_cap > 0, f"rollout.is_cap must be > 0, got {config.rollout.is_cap}"),
         (config.rollout.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {config.rollout.kv_cache_gb}"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm but vllm is not installed: on a GPU machine pip install "
+                          "'grpokit[vllm]'; on CPU build its own venv with `make .venv-vllm` (or use rollout.engine=hf)")
+    try:
+        check_trackers(config.report_to)  # a missing tracker package, before any model loads
+    except TrackerError as err:
+        raise ConfigError(str(err)) from None
 
 
 def to_dict(config) -> dict:
@@ -466,7 +492,7 @@ def describe(cls=Config) -> str:
 RESUME_SAFE_KEYS = (
     "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
     "grpo.generation_batch_size", "grpo.max_failed_steps", "grpo.max_nonfinite_steps", "model.device",
-    "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages",
+    "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
     "rollout.kv_cache_gb",
 )
 

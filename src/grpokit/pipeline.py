@@ -195,7 +195,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{len(rows)} RL questions, {len(heldout)} held-out questions")
-        engine = make_engine(config.rollout, model, tokenizer, config.grpo.max_completion_length, config.seed)
+        engine = make_engine(config.rollout, model, tokenizer, config.seed)
         before = None
         if heldout and config.eval.before and checkpoint is None:
             before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
@@ -210,7 +210,10 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
         rl_started = time.perf_counter()
         start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
-        history = run_iterations(trainer, stage, config.iterative.iterations, start=start)
+        try:
+            history = run_iterations(trainer, stage, config.iterative.iterations, start=start)
+        finally:
+            trainer.logger.close()
         final = trainer.checkpoints.latest()
         if trainer.interrupted:
             print("stopped before the final evaluation; the checkpoint above is loadable with from_pretrained")
@@ -295,7 +298,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
         policy, tokenizer = load_policy(config)
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer) if not data else []
-        engine = make_engine(config.rollout, policy, tokenizer, config.grpo.max_completion_length, config.seed)
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed)
         stage = reward_model_stage(config, task, policy, tokenizer, rows, run_dir, progress, engine=engine)
         if examples is None:
             metrics = stage.train_round(policy, 0)

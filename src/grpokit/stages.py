@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config import Config, ConfigError, save_config
+from grpokit.config import Config, ConfigError, save_config, to_dict
+from grpokit.loggers import make_loggers
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device
@@ -73,8 +74,10 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
         rewards.append(WeightedReward("reward_model", reward_scorer, config.reward_model.weight, None))
     elif reward_scorer is not None:
         process = reward_scorer
-    engine = engine or make_engine(config.rollout, model, tokenizer, config.grpo.max_completion_length, config.seed)
-    common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine)
+    engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
+    logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
+    common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
+                  rollout_config=config.rollout)
     if config.algo == "ppo":
         return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
     return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -61,3 +62,38 @@ class Rollout:
         """The same rollout with every tensor on `device` (the policy's): moved once, explicitly."""
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def take(self, rows: torch.Tensor) -> "Rollout":
+        """The rollout's `rows` (whole groups, so group_size stays)."""
+        idx = rows.tolist()
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v[rows.to(v.device)] if isinstance(v, torch.Tensor)
+                                            else [v[i] for i in idx] for k, v in fields.items()
+                                            if isinstance(v, torch.Tensor) or (isinstance(v, list) and v)})
+
+    @staticmethod
+    def cat(parts: list["Rollout"], pad_id: int) -> "Rollout":
+        """One rollout of `parts`' rows: prompts re-left-padded, completions re-right-padded."""
+        p, t = max(r.prompt_length for r in parts), max(r.completion_ids.shape[1] for r in parts)
+
+        def widen(x: torch.Tensor | None, prompt_width: int, value) -> torch.Tensor | None:
+            if x is None:
+                return None
+            prompt, completion = x[:, :prompt_width], x[:, prompt_width:]
+            return torch.cat([F.pad(prompt, (p - prompt.shape[1], 0), value=value),
+                              F.pad(completion, (0, t - completion.shape[1]), value=value)], dim=1)
+
+        def completion_part(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else F.pad(x, (0, t - x.shape[1]))
+
+        return Rollout(
+            prompts=[x for r in parts for x in r.prompts], completions=[x for r in parts for x in r.completions],
+            input_ids=torch.cat([widen(r.input_ids, r.prompt_length, pad_id) for r in parts]),
+            attention_mask=torch.cat([widen(r.attention_mask, r.prompt_length, 0) for r in parts]),
+            completion_mask=torch.cat([completion_part(r.completion_mask) for r in parts]),
+            truncated=torch.cat([r.truncated for r in parts]), prompt_length=p, group_size=parts[0].group_size,
+            rows=[x for r in parts for x in r.rows],
+            sampled_mask=None if any(r.sampled_mask is None for r in parts) else
+            torch.cat([completion_part(r.sampled_mask) for r in parts]),
+            sampling_logp=None if any(r.sampling_logp is None for r in parts) else
+            torch.cat([completion_part(r.sampling_logp) for r in parts]))

@@ -69,6 +69,20 @@ class RewardResult:
             out[name] = float(scores[ok].mean()) if ok.any() else float("nan")
         return out
 
+    def take(self, rows: torch.Tensor) -> "RewardResult":
+        """The results of samples `rows` (step scores are added later, so none are kept)."""
+        return RewardResult(self.total[rows], self.valid[rows], {k: v[rows] for k, v in self.per_function.items()},
+                            dict(self.errors), dict(self.timeouts))
+
+    @staticmethod
+    def cat(parts: list["RewardResult"]) -> "RewardResult":
+        """One result of `parts`' samples in order; errors keep the first message, timeouts add up."""
+        names = parts[0].per_function
+        return RewardResult(torch.cat([p.total for p in parts]), torch.cat([p.valid for p in parts]),
+                            {k: torch.cat([p.per_function[k] for p in parts]) for k in names},
+                            {k: v for p in reversed(parts) for k, v in p.errors.items()},
+                            {k: sum(p.timeouts.get(k, 0) for p in parts) for k in parts[0].timeouts})
+
     def all_failed(self) -> list[str]:
         """Functions that failed on every sample of this batch."""
         return [name for name, s in self.per_function.items() if bool(torch.isnan(s).all())]

@@ -35,21 +35,28 @@ def policy_logprobs(trainer: Trainer, model: torch.nn.Module, rollout: Rollout) 
 
 def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
                       ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, beta: float):
-    """micro_loss(rows, epoch) for Trainer.update: the clipped surrogate (+ beta k3) of those rows,
-    and the tensors the log sums. Every tensor lives on the policy's device."""
-    cfg = trainer.config
+    """micro_loss(rows, epoch, total) for Trainer.update: the clipped surrogate (+ beta k3) of
+    those rows over the minibatch's count `total`, in the configured aggregation, importance
+    level and TIS correction, and the tensors the log sums. Every tensor lives on the policy's device."""
+    cfg, rollout_cfg = trainer.config, trainer.rollout_config
+    tis = rollout_cfg.is_correction == "tis" and rollout.sampling_logp is not None
 
-    def micro_loss(micro: torch.Tensor, epoch: int):
+    def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
         mask = loss_mask[micro]
         logp, entropy = token_logprobs(trainer.model, rollout.input_ids[micro], rollout.attention_mask[micro],
                                        rollout.prompt_length, cfg.temperature, len(micro), with_entropy=epoch == 0)
         loss, stats = grpo_loss(
             logp, old_logp[micro] if old_logp is not None else logp.detach(),
             ref_logp[micro] if ref_logp is not None else None, advantages[micro], mask,
-            clip_eps=cfg.epsilon, beta=beta, clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation)
+            clip_eps=cfg.epsilon, beta=beta, clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
+            max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
+            sampling_logp=rollout.sampling_logp[micro] if tis else None, is_cap=rollout_cfg.is_cap if tis else None,
+            denominator=total)
         tokens = stats["tokens"]
-        sums = {key: stats[key] * tokens for key in ("kl", "clip_fraction", "ratio_mean")}
-        sums.update(loss=loss.detach() * tokens, tokens=tokens)
+        sums = {key: stats[key] * tokens for key in ("kl", "clip_fraction", "ratio_mean", "policy_loss")}
+        sums.update(loss=loss.detach(), tokens=tokens)
+        if tis:
+            sums.update({f"rollout/{k}": stats[k] * tokens for k in ("is_capped_frac", "logp_mismatch")})
         if entropy is not None:
             cm = rollout.completion_mask[micro].to(entropy.dtype)
             sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
@@ -62,9 +69,11 @@ def update_policy(trainer: Trainer, rollout: Rollout, advantages, loss_mask, ref
     """mu epochs of clipped policy updates through the shared loop; the step's policy metrics."""
     sums, skipped = trainer.update(trainer.model, trainer.optimizer, trainer.scheduler, loss_mask,
                                    policy_micro_loss(trainer, rollout, advantages, loss_mask, ref_logp, old_logp, beta))
-    tokens = sums.get("tokens", 0.0)
-    out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "loss")} if tokens else \
-        {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "loss": 0.0}
+    tokens, steps = sums.get("tokens", 0.0), sums.get("optimizer_steps", 0.0)
+    out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "policy_loss") if k in sums} \
+        if tokens else {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}
+    out["loss"] = sums.get("loss", 0.0) / max(1.0, steps)  # the mean over optimizer steps of each one's loss
+    out.update({k: v / tokens for k, v in sums.items() if k.startswith("rollout/") and tokens})
     out["entropy"] = sums["entropy_sum"] / sums["entropy_tokens"] if sums.get("entropy_tokens") else float("nan")
     out["grad_norm"] = sums["grad_norm_sum"] / sums["optimizer_steps"] if sums.get("optimizer_steps") else 0.0
     out["skipped_updates"] = skipped

@@ -23,11 +23,13 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit.checkpoint import TRAINER_STATE, CheckpointManager
-from grpokit.config import GRPOConfig
+from grpokit.config import GRPOConfig, RolloutConfig
+from grpokit.loggers import MetricsLogger, NullLogger
+from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, truncate_metrics
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.scoring import row_columns
-from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams
+from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, request_seeds
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.schedule import make_optimizer, warmup_constant
@@ -96,6 +98,8 @@ class Trainer:
         ref_model: torch.nn.Module | None = None,
         progress: bool = True,
         engine: RolloutEngine | None = None,
+        logger: MetricsLogger | None = None,
+        rollout_config: RolloutConfig | None = None,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
@@ -110,6 +114,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ref_model = ref_model if ref_model is not None else (frozen_copy(model) if config.beta > 0 else None)
         self.engine = engine if engine is not None else HFEngine(model, tokenizer)
+        self.rollout_config = rollout_config or RolloutConfig()
+        self.logger = logger or NullLogger()  # experiment trackers (report_to); metrics.jsonl is always written
         self.optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
         self.scheduler = warmup_constant(self.optimizer, config.warmup_steps)
         self.rng = random.Random(seed)
@@ -147,6 +153,7 @@ class Trainer:
                 record = {**(extra_metrics or {}), **self.step()}
                 history.append(record)
                 writer.write(record)
+                self.logger.log(record, step=self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}")
                 if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stop.requested:
@@ -164,16 +171,13 @@ class Trainer:
     def step(self) -> dict:
         cfg, g = self.config, self.config.num_generations
         start = time.perf_counter()
-        rows = self._next_rows(cfg.prompts_per_step)
-        rollout = self.engine.generate([r["prompt"] for r in rows], g, self.sampling, rows)
-        timings = {"perf/rollout_time_s": time.perf_counter() - start}
-
-        t = time.perf_counter()
-        result = self._score(rollout)
-        timings["perf/scoring_time_s"] = time.perf_counter() - t
+        timings = {"perf/rollout_time_s": 0.0, "perf/scoring_time_s": 0.0}
+        rollout, result, sampling = self._sample_groups(timings)
         rollout, loss_mask = self.on_policy_device(rollout, result)
         stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
-        self.engine.sync_weights(self.model)
+        t = time.perf_counter()
+        self.engine.sync_weights(self.model)  # the next step samples from the updated policy
+        timings["rollout/sync_time_s"] = time.perf_counter() - t
         self.global_step += 1
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
         if self._nonfinite_streak >= cfg.max_nonfinite_steps:
@@ -196,6 +200,7 @@ class Trainer:
             "rewards/failed": int((~result.valid).sum()),
             "rewards/timeouts": sum(result.timeouts.values()),
             **stats,
+            **sampling,
             "completion/mean_length": float(lengths.mean()),
             "completion/max_length": int(lengths.max()),
             "completion/truncated_frac": float(rollout.truncated.float().mean()),
@@ -205,6 +210,38 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
         }
         return record
+
+    def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
+        """B groups of G completions, scored. With grpo.dynamic_sampling (DAPO), groups whose
+        valid rewards are all equal (zero advantage) are dropped and fresh questions sampled, for
+        at most grpo.max_generation_rounds rounds; the step then trains on what it has."""
+        cfg, g = self.config, self.config.num_generations
+        kept, parts, rounds, sampled = 0, [], 0, 0
+        while True:
+            rows = self._next_rows(cfg.prompts_per_step - kept)
+            t = time.perf_counter()
+            seeds = request_seeds(self.seed, self.global_step, list(range(sampled, sampled + len(rows))), g)
+            rollout = self.engine.generate([r["prompt"] for r in rows], g, self.sampling, rows, seeds)
+            timings["perf/rollout_time_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            result = self._score(rollout)
+            timings["perf/scoring_time_s"] += time.perf_counter() - t
+            rounds, sampled = rounds + 1, sampled + len(rows)
+            if not cfg.dynamic_sampling:
+                return rollout, result, {}
+            spread = groups_with_spread(result.total, result.valid, g)
+            parts.append((rollout, result, spread.repeat_interleave(g).nonzero().flatten()))
+            kept += int(spread.sum())
+            if kept >= cfg.prompts_per_step or rounds >= cfg.max_generation_rounds:
+                break
+        if kept == 0:  # nothing with a spread: the last round, whose zero advantages leave only the KL term
+            parts = [(rollout, result, torch.arange(rollout.num_samples))]
+            print(f"grpokit: step {self.global_step + 1}: no group with a reward spread in {rounds} rounds; "
+                  f"training on the last round", file=sys.stderr)
+        rollout = Rollout.cat([r.take(rows) for r, _, rows in parts], self.tokenizer.pad_token_id)
+        result = RewardResult.cat([res.take(rows) for _, res, rows in parts])
+        return rollout, result, {"sampling/groups_sampled": sampled, "sampling/groups_dropped": sampled - kept,
+                                 "sampling/rounds": rounds}
 
     def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
         """(the rollout moved to the policy's device, the loss mask there): completion tokens of
@@ -220,30 +257,31 @@ class Trainer:
         """mu epochs of optimizer steps over minibatches of the batch's rows, each accumulated
         over micro-batches: the one update loop, for the policy and for PPO's critic.
 
-        micro_loss(rows, epoch) -> (loss, sums): the micro-batch's loss as a mean over its own
-        rows or tokens, and tensors to add up for the log. Losses are reweighted so their sum is
-        the minibatch's mean (token_weighted: over tokens, else grpo.loss_aggregation). A
-        non-finite loss or gradient skips the optimizer step: no NaN reaches the weights.
-        Returns (summed log values, skipped optimizer steps)."""
+        micro_loss(rows, epoch, total) -> (loss, sums): the micro-batch's share of the minibatch
+        loss, i.e. its sum of terms divided by `total`, the count the whole minibatch averages
+        over (tokens when token_weighted, else what grpo.loss_aggregation names; see
+        math.loss_denominator), and tensors to add up for the log. Summed over micro-batches
+        the losses are exactly the minibatch's loss. A non-finite loss or gradient skips the
+        optimizer step: no NaN reaches the weights. Returns (summed log values, skipped steps)."""
         cfg = self.config
-        denominator = self._token_count if token_weighted else self._denominator
+        aggregation = "token" if token_weighted else cfg.loss_aggregation
         totals: dict[str, float] = {}
         skipped = 0
         model.train()
         for epoch in range(cfg.num_iterations):
             for minibatch in torch.randperm(loss_mask.shape[0]).chunk(cfg.num_minibatches):
                 minibatch = minibatch.to(loss_mask.device)
-                total = denominator(loss_mask[minibatch])
-                if total == 0:
+                total = loss_denominator(loss_mask[minibatch], aggregation)
+                if total == 0 or loss_mask[minibatch].sum() == 0:
                     continue  # every sample of this minibatch failed its reward
                 optimizer.zero_grad(set_to_none=True)
                 finite = True
                 for micro in minibatch.split(cfg.micro_batch_size):
-                    loss, sums = micro_loss(micro, epoch)
+                    loss, sums = micro_loss(micro, epoch, total)
                     if not torch.isfinite(loss):
                         finite = False  # one bad micro-batch poisons the minibatch: skip it whole
                         break
-                    (loss * (denominator(loss_mask[micro]) / total)).backward()
+                    loss.backward()
                     for key, value in sums.items():
                         totals[key] = totals.get(key, 0.0) + float(value)
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if finite else None
@@ -257,16 +295,6 @@ class Trainer:
                 scheduler.step()
         model.eval()
         return totals, skipped
-
-    def _denominator(self, mask: torch.Tensor) -> float:
-        """What the loss averages over: non-empty rows (sequence) or tokens (token)."""
-        if self.config.loss_aggregation == "sequence":
-            return float((mask.sum(dim=1) > 0).sum())
-        return self._token_count(mask)
-
-    @staticmethod
-    def _token_count(mask: torch.Tensor) -> float:
-        return float(mask.sum())
 
     # ------------------------------------------------------------------ stages
 

@@ -112,7 +112,7 @@ class PPO:
                                  token_weighted=True)
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
-        stats["value/loss"] = sums["loss"] / tokens if tokens else 0.0
+        stats["value/loss"] = sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0))
         stats["value/clip_fraction"] = sums["clipped"] / tokens if tokens else 0.0
         timings["perf/update_time_s"] = time.perf_counter() - t
         if ref_logp is not None:  # report the same KL estimate GRPO reports, for comparison
@@ -126,16 +126,17 @@ class PPO:
         """micro_loss(rows, epoch) for Trainer.update: the clipped value loss, a token mean."""
         clip = self.ppo.value_clip
 
-        def micro_loss(micro: torch.Tensor, epoch: int):
+        def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
             mask = loss_mask[micro]
             values = self.values(trainer, rollout, micro)
-            loss = value_loss(values, old_values[micro], returns[micro], mask, clip)
+            tokens = mask.sum()
+            # value_loss is this micro-batch's token mean; times its share of the minibatch's tokens
+            loss = value_loss(values, old_values[micro], returns[micro], mask, clip) * (tokens / (total or tokens))
             with torch.no_grad():
                 plain = (values - returns[micro]).pow(2)
                 clip_v = old_values[micro] + (values - old_values[micro]).clamp(-clip, clip)
                 clipped = (((clip_v - returns[micro]).pow(2) > plain) * mask).sum()
-            tokens = mask.sum()
-            return loss, {"loss": loss.detach() * tokens, "clipped": clipped, "tokens": tokens}
+            return loss, {"loss": loss.detach(), "clipped": clipped, "tokens": tokens}
 
         return micro_loss
 
