@@ -35,6 +35,14 @@ both_modes = pytest.mark.parametrize(
 )
 
 
+@pytest.fixture(autouse=True)
+def private_tempdir(tmp_path, monkeypatch):
+    """This test's sandbox directories only, so another process's runs never look like leftovers."""
+    directory = tmp_path / "tmp"
+    directory.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+
+
 def _outside_state() -> tuple:
     """What a program must not change: the repository's top level, and leftover sandbox
     directories in the temporary directory (each run removes its own)."""
