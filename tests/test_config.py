@@ -31,7 +31,7 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["--grpo.betta=1"], "unknown config key 'grpo.betta'.*did you mean 'grpo.beta'"),
         (["--beta=abc"], "grpo.beta: expected a number"),
         (["--grpo.num_generations=2.5"], "grpo.num_generations: expected an integer"),
-        (["--loss_aggregation=mean"], r"grpo.loss_aggregation: 'mean' is not one of \['sequence', 'token'\]"),
+        (["--loss_aggregation=mean"], r"grpo.loss_aggregation: 'mean' is not one of \['sequence', 'token', 'constant'\]"),
         (["--scale_rewards=maybe"], "grpo.scale_rewards: expected true or false"),
         (["--num_generations=1"], "num_generations must be >= 2"),
         (["--learning_rate=0.1"], "ambiguous"),

@@ -175,17 +175,19 @@ def test_a_hanging_reward_in_training_masks_the_step_and_the_run_goes_on(tiny_mo
 
 
 def poison_training_forward(model, steps):
-    """Make the training forward pass (grad enabled) produce NaN logits on the given calls."""
+    """Make the training forward pass (grad enabled) produce NaN logits on the given calls: the
+    decoder runs once per forward (the LM head runs once per chunk of positions), and NaN hidden
+    states make NaN logits."""
     calls = {"n": 0}
 
     def hook(module, inputs, output):
         if torch.is_grad_enabled():
             calls["n"] += 1
             if steps is None or calls["n"] in steps:
-                return output * float("nan")
+                output.last_hidden_state = output.last_hidden_state * float("nan")
         return output
 
-    return model.lm_head.register_forward_hook(hook)
+    return model.get_decoder().register_forward_hook(hook)
 
 
 def test_a_nan_loss_skips_the_update_and_training_continues(tiny_model, tokenizer, chain_rows, tmp_path):

@@ -63,7 +63,7 @@ def test_train_writes_metrics_and_a_checkpoint_transformers_loads(tiny_model, to
 def test_reference_runs_once_per_batch_under_no_grad(tiny_model, tokenizer, chain_rows, tmp_path):
     trainer = make_trainer(tiny_model, tokenizer, chain_rows, tmp_path, micro_batch_size=3)
     calls = []
-    trainer.ref_model.register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+    trainer.ref_model.get_decoder().register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
     trainer.step()
     assert calls == [False] * 3  # 8 samples in micro-batches of 3, no gradient
     assert all(not p.requires_grad for p in trainer.ref_model.parameters())
@@ -76,7 +76,7 @@ def test_pi_old_needs_no_forward_pass_when_mu_is_one(tiny_model, tokenizer, chai
     rows = trainer._next_rows(2)
     rollout = sample_groups(tiny_model, tokenizer, [r["prompt"] for r in rows], 4, trainer.sampling, rows)
     policy_calls = []
-    hook = tiny_model.register_forward_hook(lambda *a: policy_calls.append(1))
+    hook = tiny_model.get_decoder().register_forward_hook(lambda *a: policy_calls.append(1))
     ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, rollout)
     assert old_logp is None and ref_logp is not None and policy_calls == []
     trainer.config = dataclasses.replace(trainer.config, num_iterations=2)

@@ -177,7 +177,8 @@ class Trainer:
         stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
         t = time.perf_counter()
         self.engine.sync_weights(self.model)  # the next step samples from the updated policy
-        timings["rollout/sync_time_s"] = time.perf_counter() - t
+        if not isinstance(self.engine, HFEngine):  # generate samples from the live policy: nothing to copy
+            timings["rollout/sync_time_s"] = time.perf_counter() - t
         self.global_step += 1
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
         if self._nonfinite_streak >= cfg.max_nonfinite_steps:
