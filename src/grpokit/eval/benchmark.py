@@ -608,8 +608,7 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
                       unit="question", disable=not progress, dynamic_ncols=True) as bar:
                 for first in range(0, len(todo), settings.batch_size):
                     chunk = todo[first : first + settings.batch_size]
-                    records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings,
-                                             timings)
+                    records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings)
                     _append(path, records)
                     done.update((r["index"], r) for r in records)
                     bar.update(len(chunk))
@@ -691,7 +690,8 @@ def score_completions(path: str, data: str, completion_column: str = "completion
     records = [{"index": i, "question": bench.questions[i], "reference": bench.references[i], "completion": c,
                 "extracted_answer": a, "correct": ok, "tool_calls": c.count(OUTPUT_STOP)}
                for (i, c), a, ok in zip(pairs, answers, correct)]
-    cell = {**metrics(records, 0), "seconds": time.perf_counter() - start, "data": bench.path,
+    seconds = time.perf_counter() - start
+    cell = {**metrics(records, 0), "seconds": seconds, "score_seconds": seconds, "data": bench.path,
             "completions_scored": str(path)}
     results = {"model": f"completions of {path}", "engine": "none (scored)", "prompt_format": "as given",
                "sandbox_isolated": None, "settings": {"k": 0, "max_new_tokens": None, "max_tool_calls": None,
@@ -735,9 +735,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest context in tokens; 0 = the model's max_position_embeddings")
     p.add_argument("--batch-size", type=int, default=64, help="questions per batch (and per resumable write)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --k samples")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
     p.add_argument("--question-column", default="", help="column holding the question (default: recognised)")
     p.add_argument("--answer-column", default="", help="column holding the reference (default: recognised)")
     p.add_argument("--compare", nargs=2, metavar=("DIR_BEFORE", "DIR_AFTER"),
