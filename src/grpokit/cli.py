@@ -1,4 +1,4 @@
-"""Command line: `grpokit demo | sft | train | train-rm | bench`. Every config key is an
+"""Command line: `grpokit demo | sft | train | train-rm | bench | eval`. Every config key is an
 override, --key=value or --key value; every subcommand spells its shared options the same way."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sub.add_parser("eval", help="grpokit eval MODEL --data FILE...: CoT and tool-integrated accuracy (DeepSeekMath "
+                                "Table 5); see grpokit eval --help", add_help=False).add_argument(
+        "eval_args", nargs=argparse.REMAINDER)
     for name, text in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     if argv[:1] == ["bench"]:
         return bench(parser.parse_args(argv).bench_args)
+    if argv[:1] == ["eval"]:
+        from grpokit.eval.benchmark import main as eval_main
+
+        return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O

@@ -19,7 +19,8 @@ from grpokit.types import Rollout
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams,
                  rows: list[dict] | None = None, seeds: list[int] | None = None) -> Rollout:
-        """G completions per prompt, groups contiguous; `seeds` holds one per completion."""
+        """G completions per prompt, groups contiguous; `seeds` holds one per completion.
+        A completion ends after the first of `params.stop` it writes, the stop string kept."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load `model`'s current weights into the engine."""

@@ -1,4 +1,5 @@
-"""G samples per prompt from pi_old: batched, left-padded prompts, EOS stop, truncation flags."""
+"""G samples per prompt from pi_old: batched, left-padded prompts, EOS and stop-string stops,
+truncation flags."""
 
 from __future__ import annotations
 
@@ -12,12 +13,25 @@ from grpokit.types import Rollout
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How completions are drawn. temperature=0 means greedy decoding."""
+    """How completions are drawn. temperature=0 means greedy decoding.
+
+    stop: strings that end a completion as soon as one is written; the stop string stays at
+        the end of the text (tool-integrated reasoning stops at "```output" to run a program).
+        With transformers (`hf`), a stop string may begin in the prompt's last characters and
+        end in the completion; vLLM looks at the completion alone.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     batch_size: int = 256  # completions per `generate` call; bounds memory, not results
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)  # a list given by a caller becomes a (hashable) tuple
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
@@ -43,6 +57,45 @@ def completion_mask_and_truncation(
     return mask, ~has_eos
 
 
+def stop_string_cut(tokenizer, prompt_tail: list[int], completion: list[int], stops: tuple[str, ...]) -> int | None:
+    """How many leading tokens of `completion` it takes to complete a stop string, or None.
+
+    transformers' stop_strings end generation on the token that completes a stop string, but
+    leave the row running on as padding; this finds that token again. `prompt_tail` (the last
+    prompt tokens) lets a stop string that began in the prompt count as transformers counts
+    it; one lying wholly inside the prompt never does.
+    """
+    head = len(tokenizer.decode(prompt_tail, skip_special_tokens=True))
+
+    def completed(n: int) -> bool:
+        text = tokenizer.decode(prompt_tail + completion[:n], skip_special_tokens=True)
+        return any(text.find(s, max(0, head - len(s) + 1)) >= 0 for s in stops)
+
+    if not completion or not completed(len(completion)):
+        return None
+    low, high = 1, len(completion)  # smallest n with completed(n): it only turns true as n grows
+    while low < high:
+        middle = (low + high) // 2
+        if completed(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _check_stop_strings(tokenizer, stops: tuple[str, ...]) -> None:
+    """Fail early, and say why, where transformers cannot map stop strings onto this vocabulary
+    (it reads each token's text after the letters "abcdef", which a character vocabulary without
+    them cannot write). Its result is cached, so generate does not redo the work."""
+    from transformers import StopStringCriteria
+
+    try:
+        StopStringCriteria(tokenizer, list(stops))
+    except ValueError as err:
+        raise ValueError(f"transformers' stop_strings cannot use this tokenizer for {list(stops)!r} ({err}); "
+                         "use a tokenizer that can write the letters a-f, or another engine") from err
+
+
 @torch.no_grad()
 def sample_groups(
     model: torch.nn.Module,
@@ -56,6 +109,8 @@ def sample_groups(
 
     Returns a Rollout of N = len(prompts) x G rows; the G completions of prompt p are
     rows p*G .. p*G+G-1. Prompts are left-padded so all completions start at one column.
+    With params.stop, a completion ends right after the first stop string it contains (kept
+    in the text, the last token under the mask) and is not counted as truncated.
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -82,12 +137,17 @@ def sample_groups(
         top_k=None,
         eos_token_id=eos_ids,
         pad_token_id=tokenizer.pad_token_id,
+        **({"stop_strings": list(params.stop)} if params.stop else {}),
     )
+    # stop_strings need the tokenizer to map text to tokens; without them generate stays as it was.
+    stop_kwargs = {"tokenizer": tokenizer} if params.stop else {}
+    if params.stop:
+        _check_stop_strings(tokenizer, params.stop)
     chunks = []
     for start in range(0, prompt_ids.shape[0], params.batch_size):
         ids = prompt_ids[start : start + params.batch_size].to(device)
         mask = prompt_mask[start : start + params.batch_size].to(device)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, **stop_kwargs)
         chunks.append(out[:, ids.shape[1] :].cpu())
     width = max(c.shape[1] for c in chunks)
     completion_ids = torch.cat(
@@ -96,6 +156,15 @@ def sample_groups(
     if was_training:
         model.train()
     completion_mask, truncated = completion_mask_and_truncation(completion_ids, eos_ids)
+    if params.stop:
+        longest = max(len(s) for s in params.stop)  # tokens other than special ones hold a character or more
+        for row in range(completion_ids.shape[0]):
+            tail = prompt_ids[row][prompt_mask[row].bool()][-longest:].tolist()
+            kept = completion_ids[row][completion_mask[row].bool()].tolist()
+            cut = stop_string_cut(tokenizer, tail, kept, params.stop)
+            if cut is not None:
+                completion_mask[row, cut:] = 0
+                truncated[row] = False
     completion_ids = torch.where(completion_mask.bool(), completion_ids, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(
         [ids[m.bool()] for ids, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
