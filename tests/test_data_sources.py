@@ -93,3 +93,17 @@ def test_a_datasets_name_without_the_extra_says_how_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_datasets)
     with pytest.raises(DatasetError, match=r"pip install 'grpokit\[datasets\]'"):
         load_source(DataSource(name="openai/gsm8k", subset="main"))
+
+
+def test_a_math_reference_is_the_answer_field_or_the_last_boxed_answer_never_the_whole_solution(tmp_path):
+    """MATH-500 rows carry an `answer` field; MATH rows only a solution ending in a boxed answer."""
+    from grpokit.config import DataConfig, DataSource
+    from grpokit.data.sources import build_rows
+    from grpokit.models import build_char_tokenizer
+
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "solution": "So $\\boxed{2}$.", "answer": "2"}) + "\n"
+                    + json.dumps({"problem": "2+2?", "solution": "It is $\\boxed{4}$."}) + "\n")
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    rows = build_rows([DataSource(path=str(path), format="math")], DataConfig(template="none"), tokenizer)
+    assert [r["answer"] for r in rows] == ["2", "4"]

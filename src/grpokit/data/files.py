@@ -116,11 +116,9 @@ def check_records(records: list[tuple[str, object]], skipped: list[str], source:
                 raise DatasetError(problem + "; or set data.skip_malformed_lines=true to skip and count such rows")
             skipped.append(problem)
             continue
-        row = dict(record)
-        row["prompt"] = record[prompt_column]
-        if answer_column:
-            row["answer"] = record[answer_column]
-        rows.append(row)
+        # The raw columns stay as they are: the format decides what the reference is (a MATH row's
+        # `answer` field, when it has one, is not its `solution`).
+        rows.append({**record, "prompt": record[prompt_column]})
     if not rows:
         raise DatasetError(f"{source}: no usable rows ({len(skipped)} skipped"
                            + (f", first: {skipped[0]}" if skipped else "") + ")")
