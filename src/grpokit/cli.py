@@ -25,6 +25,8 @@ COMMANDS = {
     "train": "RL (GRPO or PPO) from model.name_or_path on data.sources (default: the built-in task), "
              "evaluating held-out questions before and after",
     "train-rm": "train an outcome (Bradley-Terry) or, with --process, a process reward model",
+    "label-steps": "label the steps of the policy's sampled solutions from rollouts (Math-Shepherd), for "
+                   "train-rm --process --data",
 }
 
 
@@ -44,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="run directory (config key output_dir)")
         p.add_argument("--seed", type=int, help="seed (config key seed)")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo, train, rm = (sub.choices[n] for n in ("demo", "train", "train-rm"))
+    demo, train, rm, label = (sub.choices[n] for n in ("demo", "train", "train-rm", "label-steps"))
+    label.add_argument("--data", default="", metavar="FILE",
+                       help="questions with reference answers (gsm8k, math or plain format); default: the built-in "
+                            "task's questions")
+    label.add_argument("--out", required=True, metavar="STEPS.jsonl", help="where the labelled solutions go")
     demo.add_argument("--reward", choices=["rule", "model"],
                       help="rule: the verifier (default); model: a reward model trained on pi_SFT's graded samples")
     demo.add_argument("--supervision", choices=["outcome", "process"],
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         overrides.append(f"--seed={args.seed}")
     overrides += demo_variant_overrides(args)
+    if args.command == "label-steps" and args.data:
+        overrides.append(f"--data.sources=[{{path: {args.data!r}}}]")
     user_files = [args.config] if args.config else []
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
@@ -191,6 +199,8 @@ def _run(args, config) -> int:
     progress = not args.quiet
     if args.command == "demo":
         pipeline.run_demo(config, progress)
+    elif args.command == "label-steps":
+        pipeline.run_label_steps(config, args.out, progress)
     elif args.command == "train-rm":
         pipeline.run_train_rm(config, progress, data=args.data)
     elif args.command == "train":

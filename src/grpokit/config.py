@@ -195,6 +195,10 @@ class RewardModelConfig:
     sample_temperature: float = opt(1.0, "sampling temperature for reward-model data (diversity gives negatives)")
     max_pairs_per_prompt: int = opt(8, "outcome: at most this many (correct, incorrect) pairs per question")
     replay_fraction: float = opt(0.1, "iterative GRPO: share of historical data kept in the replay buffer")
+    label: Literal["rule", "rollouts"] = opt(
+        "rule", "where process labels come from: rule (the task's step checker) or rollouts (Math-Shepherd: a step "
+                "is right when one of label_rollouts completions of its prefix reaches the reference answer)")
+    label_rollouts: int = opt(8, "rollouts labels: completions sampled from each step prefix")
 
 
 @dataclass
@@ -439,6 +443,7 @@ def validate(config: Config) -> None:
          "their group std"),
         (0 <= config.reward_model.replay_fraction <= 1, "reward_model.replay_fraction must lie in [0, 1]"),
         (0 < config.reward_model.heldout_fraction < 1, "reward_model.heldout_fraction must lie in (0, 1)"),
+        (config.reward_model.label_rollouts >= 1, "reward_model.label_rollouts must be >= 1"),
         (config.iterative.iterations >= 1, f"iterative.iterations must be >= 1, got {config.iterative.iterations}"),
         (config.iterative.iterations == 1 or config.reward_model.kind != "none",
          "iterative.iterations > 1 refreshes a reward model: set reward_model.kind to outcome or process"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 import sys
 import time
@@ -22,7 +23,13 @@ import yaml
 from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint
 from grpokit.config import Config, ConfigError, resume_differences, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
-from grpokit.data.reward_data import pairs_from_graded, read_graded_samples, read_preference_pairs, read_step_labels
+from grpokit.data.reward_data import (
+    pairs_from_graded,
+    read_graded_samples,
+    read_preference_pairs,
+    read_step_labels,
+    write_jsonl,
+)
 from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.runlock import RunLock
@@ -32,7 +39,14 @@ from grpokit.tasks import task_for
 from grpokit.tasks.base import evaluate_task
 from grpokit.train.grpo import frozen_copy
 from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations
-from grpokit.train.reward_model import evaluate_reward_model, fit_reward_model, split_by_prompt
+from grpokit.train.reward_model import (
+    evaluate_reward_model,
+    example_record,
+    fit_reward_model,
+    rollout_step_examples,
+    sample_completions,
+    split_by_prompt,
+)
 from grpokit.train.sft import sft_train
 
 
@@ -123,11 +137,11 @@ def check_reward_model_setup(config: Config) -> None:
     """Setups that could only fail after training has started, refused before any model loads."""
     rm = config.reward_model
     needs_labels = not rm.path or config.iterative.iterations > 1
-    if rm.kind == "process" and config.data.sources and needs_labels:
+    if rm.kind == "process" and config.data.sources and needs_labels and rm.label == "rule":
         raise ConfigError(
-            "process labels for data.sources cannot be made by rule here (only the built-in task has a step "
-            "checker): train a PRM with `grpokit train-rm --process --data STEPS.jsonl`, set reward_model.path "
-            "to it, and keep iterative.iterations=1")
+            "process labels for data.sources cannot be made by rule (only the built-in task has a step checker): "
+            "set reward_model.label=rollouts to label steps from rollouts, or train a PRM with `grpokit "
+            "label-steps` + `grpokit train-rm --process --data STEPS.jsonl` and set reward_model.path to it")
 
 
 def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
@@ -268,6 +282,39 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
                     "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
                     **{f"sft_{key.replace(' ', '_')}": value for key, value in task.report(before).items()}})
     return out
+
+
+def run_label_steps(config: Config, out: str, progress: bool = True) -> dict:
+    """Math-Shepherd step labels: sample reward_model.samples_per_question solutions of
+    reward_model.num_questions questions from the policy, split them at reward_model.step_delimiter,
+    continue every step prefix reward_model.label_rollouts times, grade by rule, and write
+    (prompt, steps, labels, soft_labels) records to `out`, the file `train-rm --process --data` reads."""
+    check_sources(config.data.sources, config.data.skip_malformed_lines)
+    rm = config.reward_model
+    with RunLock(config.output_dir):
+        run_dir = start_run(config)
+        policy, tokenizer = load_policy(config)
+        task = task_for(config)
+        rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
+        rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed)
+        sampled, completions = sample_completions(engine, rows, rm, config.grpo.max_completion_length,
+                                                  progress=progress)
+        started = time.perf_counter()
+        examples, stats = rollout_step_examples(engine, sampled, completions, task.grade, rm,
+                                                config.grpo.max_completion_length, progress)
+        stats["seconds"] = time.perf_counter() - started
+        if task.step_labeller is not None:  # the built-in task can check every step: how often rollouts agree
+            by_prompt = {r["prompt"]: r for r in sampled}
+            pairs = [(label, rule) for x in examples
+                     for label, rule in zip(x.labels, task.step_labeller(by_prompt[x.prompt], list(x.steps)))]
+            stats["agreement_with_rule_labels"] = sum(a == b for a, b in pairs) / max(1, len(pairs))
+            stats["wrong_steps_by_rule"] = sum(not b for _, b in pairs)
+        write_jsonl(Path(out), [example_record(x) for x in examples])
+        (run_dir / "label_steps_stats.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats, indent=2))
+    print(f"wrote {len(examples)} step-labelled solutions to {out}")
+    return stats
 
 
 def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int,

@@ -32,6 +32,7 @@ from grpokit.train.reward_model import (
     evaluate_reward_model,
     example_record,
     fit_reward_model,
+    rollout_step_examples,
     sample_completions,
     split_by_prompt,
 )
@@ -77,8 +78,11 @@ class RewardModelStage:
         engine = self.engine or HFEngine(policy, self.tokenizer)
         rows, completions = sample_completions(engine, self._questions(round_index), cfg,
                                                self.max_new_tokens, progress=self.progress)
-        examples = build_examples(self.kind, rows, completions, self.grade, self.step_labeller, cfg,
-                                  self.seed + round_index)
+        if self.kind == "process" and cfg.label == "rollouts":
+            examples, _ = rollout_step_examples(engine, rows, completions, self.grade, cfg, self.max_new_tokens)
+        else:
+            examples = build_examples(self.kind, rows, completions, self.grade, self.step_labeller, cfg,
+                                      self.seed + round_index)
         # Kept for inspection and reuse: `grpokit train-rm --data` reads this file as it is.
         write_jsonl(self.run_dir / "reward_model_data" / f"round-{round_index}.jsonl",
                     [example_record(x) for x in examples])

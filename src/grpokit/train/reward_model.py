@@ -29,6 +29,7 @@ from grpokit.data.reward_data import (
 )
 from grpokit.math import bradley_terry_loss, step_bce_loss
 from grpokit.rewards.learned import OutcomeRewardModel, ProcessRewardModel
+from grpokit.rewards.step_labels import label_steps
 from grpokit.rollout import SamplingParams
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
@@ -163,6 +164,27 @@ def build_examples(kind: str, rows: list[dict], completions: list[str], grade: C
         steps = split_steps(completion, config.step_delimiter) or [completion]
         examples.append(StepLabelledSample(row["prompt"], tuple(steps), tuple(step_labeller(row, steps))))
     return examples
+
+
+def rollout_step_examples(engine, rows: list[dict], completions: list[str], grade, config: RewardModelConfig,
+                          max_new_tokens: int, progress: bool = False) -> tuple[list[StepLabelledSample], dict]:
+    """Process labels from rollouts (Math-Shepherd): each step prefix of each sampled completion
+    is continued config.label_rollouts times through the policy's engine and graded; a step is
+    right when any continuation reaches the reference. Returns (examples, label_steps' stats)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.sample_temperature)
+
+    def complete(prefixes: list[str], n: int) -> list[list[str]]:
+        done = engine.generate(prefixes, n, params).completions
+        return [done[i * n : (i + 1) * n] for i in range(len(prefixes))]
+
+    by_prompt: dict[str, tuple[dict, list[str]]] = {}
+    for row, completion in zip(rows, completions):
+        by_prompt.setdefault(row["prompt"], (row, []))[1].append(completion)
+    grouped = list(by_prompt.values())
+    records, stats = label_steps([r for r, _ in grouped], [c for _, c in grouped], complete, grade,
+                                 config.label_rollouts, config.step_delimiter,
+                                 batch_size=max(1, 512 // config.label_rollouts))
+    return [StepLabelledSample(r["prompt"], tuple(r["steps"]), tuple(r["labels"])) for r in records], stats
 
 
 def example_record(example: Example) -> dict:
