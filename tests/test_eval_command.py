@@ -446,7 +446,7 @@ def test_errors_name_the_problem(tmp_path, saved_model, capsys):
           "6b_finetuning.solution", match="its question matches no question")
     by_order = tmp_path / "order.jsonl"
     by_order.write_text('{"completion": "1"}\n')
-    fails("--completions", by_order, "--data", GSM8K, match="1 completions for 20 rows")
+    fails("--completions", by_order, "--data", GSM8K, match="1 completions for 30 rows")
     assert run_cli("--completions", by_order, "--data", GSM8K, "--max-rows", "1") == 0  # both cut to one
     fails("--completions", by_order, "--data", GSM8K, "--completion-column", "text", "--max-rows", "1",
           match="no text in column 'text'")

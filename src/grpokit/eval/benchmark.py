@@ -586,8 +586,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     if not settings.max_model_len:
         settings.max_model_len = int(getattr(policy.config, "max_position_embeddings", 0) or 4096)
     torch.manual_seed(settings.seed)
-    engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb), policy, tokenizer,
-                         settings.max_model_len, settings.seed)
+    engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb,
+                                       max_model_len=settings.max_model_len), policy, tokenizer, settings.seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     header = {"model": model, "model_path": model_path, "engine": engine_name, "prompt_format": layout,
