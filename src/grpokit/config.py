@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,33 +294,20 @@ def _config_error(err: pydantic.ValidationError, cls) -> ConfigError:
     key, kind, value = _dotted(first["loc"]), first["type"], first.get("input")
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         parent, _, leaf = key.rpartition(".")
-        names = [k.rsplit(".", 1)[-1] for k in _section_keys(cls, parent)]
+        section = cls
+        for part in filter(None, parent.split(".")):  # down to the section (a list's item type for [i])
+            tp = typing.get_type_hints(section)[part.split("[")[0]]
+            section = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        names = [f.name for f in dataclasses.fields(section)]
         close = difflib.get_close_matches(leaf, names, n=1)
-        prefix = f"{parent}." if parent else ""
-        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {', '.join(names)}"
+        hint = f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else \
+            f"; valid keys: {', '.join(names)}"
         return ConfigError(f"unknown config key '{key}'{hint}")
-    if kind == "literal_error":
-        return ConfigError(f"{key}: {value!r} is not one of {_literal_choices(cls, key)}")
+    if kind == "literal_error":  # pydantic says "'a', 'b' or 'c'"
+        choices = re.findall(r"'([^']*)'", first["ctx"]["expected"])
+        return ConfigError(f"{key}: {value!r} is not one of {choices}")
     expected = next((text for name, text in _EXPECTED.items() if kind.startswith(name)), first["msg"])
     return ConfigError(f"{key}: {expected}, got {type(value).__name__} {value!r}")
-
-
-def _section_keys(cls, dotted: str) -> list[str]:
-    """Field names of the section at `dotted` ('' = top level; list items by their item type)."""
-    for part in filter(None, dotted.split(".")):
-        tp = typing.get_type_hints(cls)[part.split("[")[0]]
-        cls = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _literal_choices(cls, dotted: str) -> list:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        tp = typing.get_type_hints(cls)[part.split("[")[0]]
-        cls = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
-    tp = typing.get_type_hints(cls)[leaf]
-    return [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is Literal else \
-        [c for a in typing.get_args(tp) for c in typing.get_args(a)]
 
 
 def from_dict(cls, data: dict):

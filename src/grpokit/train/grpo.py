@@ -17,7 +17,7 @@ from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantage
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.rollout import token_logprobs
-from grpokit.train.loop import NonFiniteTraining, RewardFailure, Trainer, frozen_copy, zero_std_fraction
+from grpokit.train.loop import Algorithm, NonFiniteTraining, RewardFailure, Trainer, frozen_copy, zero_std_fraction
 from grpokit.types import Rollout
 
 __all__ = ["GRPO", "GRPOTrainer", "NonFiniteTraining", "RewardFailure", "frozen_copy", "policy_logprobs",
@@ -55,8 +55,11 @@ def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tens
         tokens = stats["tokens"]
         sums = {key: stats[key] * tokens for key in ("kl", "clip_fraction", "ratio_mean", "policy_loss")}
         sums.update(loss=loss.detach(), tokens=tokens)
+        if rollout.sampling_logp is not None:  # how far the engine's log-probs are from the trainer's pi_old
+            old = (old_logp[micro] if old_logp is not None else logp.detach()).to(rollout.sampling_logp.dtype)
+            sums["rollout/logp_mismatch"] = ((old - rollout.sampling_logp[micro]).abs() * mask).sum()
         if tis:
-            sums.update({f"rollout/{k}": stats[k] * tokens for k in ("is_capped_frac", "logp_mismatch")})
+            sums["rollout/is_capped_frac"] = stats["is_capped_frac"] * tokens
         if entropy is not None:
             cm = rollout.completion_mask[micro].to(entropy.dtype)
             sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
@@ -93,20 +96,13 @@ def step_advantages(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tens
     return torch.nn.functional.pad(token_adv, (0, completion_ids.shape[1] - token_adv.shape[1]))
 
 
-class GRPO:
+class GRPO(Algorithm):
     """Group-relative advantages and the clipped objective with the KL in the loss."""
 
     name = "grpo"
 
     def __init__(self, process_reward: ProcessRewardModel | None = None):
         self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
-
-    def attach(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    @property
-    def config(self) -> GRPOConfig:
-        return self.trainer.config
 
     def learn(self, trainer: Trainer, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
               timings: dict) -> dict:
@@ -158,18 +154,6 @@ class GRPO:
             "process/step_reward_mean": sum(flat) / max(1, len(flat)),
             "process/no_delimiter": sum(not s.has_delimiter for s in result.step_scores),
         }
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def save_files(self, directory: Path) -> None:
-        pass
-
-    def load_files(self, directory: Path) -> None:
-        pass
 
 
 class GRPOTrainer(Trainer):

@@ -17,7 +17,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -62,24 +61,34 @@ def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: in
     return float(((spread <= 0) | (valid.view(-1, group_size).sum(1) < 2)).float().mean())
 
 
-class Algorithm(Protocol):
+class Algorithm:
     """What differs between GRPO and PPO. `learn` turns a scored rollout into updates through
     Trainer.update; the checkpoint hooks carry any model and optimizer the algorithm owns."""
 
-    name: str
+    name = ""
 
-    def attach(self, trainer: "Trainer") -> None: ...
+    def attach(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    @property
+    def config(self) -> GRPOConfig:
+        return self.trainer.config
 
     def learn(self, trainer: "Trainer", rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
-              timings: dict) -> dict: ...
+              timings: dict) -> dict:
+        raise NotImplementedError
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
-    def save_files(self, directory: Path) -> None: ...
+    def save_files(self, directory: Path) -> None:
+        pass
 
-    def load_files(self, directory: Path) -> None: ...
+    def load_files(self, directory: Path) -> None:
+        pass
 
 
 class Trainer:

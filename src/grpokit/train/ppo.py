@@ -21,7 +21,7 @@ from grpokit.math import gae_advantages, kl_k3, value_loss
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import RewardResult
 from grpokit.train.grpo import policy_logprobs, update_policy
-from grpokit.train.loop import Trainer
+from grpokit.train.loop import Algorithm, Trainer
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -59,7 +59,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - (r - v).var() / r.var())
 
 
-class PPO:
+class PPO(Algorithm):
     """PPO's learning step: a critic, GAE over KL-shaped token rewards, the clipped surrogate."""
 
     name = "ppo"
@@ -68,12 +68,8 @@ class PPO:
     def __init__(self, ppo: PPOConfig | None = None, critic: torch.nn.Module | None = None):
         self.ppo, self.critic = ppo or PPOConfig(), critic
 
-    @property
-    def config(self) -> GRPOConfig:
-        return self.trainer.config
-
     def attach(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+        super().attach(trainer)
         # PPO needs pi_ref whenever beta > 0 (the KL is in the reward), exactly like GRPO.
         if self.critic is None:
             self.critic = build_critic(trainer.model, self.ppo.critic_init)
