@@ -46,6 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 
 $(VLLM_VENV): $(VLLM_STAMP)
 
+# Every test marked vllm, the slow demo with rollout.engine=vllm included.
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m vllm
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from grpokit.models import build_tiny_model
+from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
 
 pytestmark = [
@@ -249,3 +249,60 @@ def test_missing_vllm_names_the_install_commands(policy, tokenizer, monkeypatch)
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
     with pytest.raises(ImportError, match=r"pip install vllm.*make \.venv-vllm"):
         VLLMEngine(policy, tokenizer, max_model_len=128)
+
+
+def test_stop_strings_end_completions_as_sample_groups_does():
+    """Greedy with stop strings: the same rows as transformers' stop_strings (the stop kept at
+    the end of the text, the mask ending on its last token, not truncated); seeded sampling
+    with a stop string is the unstopped sample cut after the stop."""
+    from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.stages import ASCII_ALPHABET
+
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)  # transformers' stop_strings need letters
+    prompts = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
+    # A few steps toward varied text without EOS, so greedy decoding writes more than one character.
+    texts = [p + "so the sum is 3; ok" for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)
+    model = _policy(tokenizer, seed=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    engine = VLLMEngine(copy.deepcopy(model), tokenizer, max_model_len=64, kv_cache_gb=0.0625)
+    try:
+        free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, temperature=0.0))
+        # A stop from the first completion that, in every row, first appears wholly inside the
+        # completion: vLLM never looks across the prompt boundary, transformers does.
+        text = free.completions[0]
+        stop = next(
+            text[k : k + 2] for k in range(2, len(text) - 1)
+            if all((p[-1] + c).find(text[k : k + 2]) != 0 for p, c in zip(prompts, free.completions))
+        )
+        stops = (stop, "never written: ~~~")
+        expected = sample_groups(model, tokenizer, prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
+        got = engine.generate(prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
+        _assert_same_rollout(expected, got)
+        assert got.completions[0].endswith(stop) and not got.truncated[0]
+        assert int(got.completion_mask[0].sum()) < int(free.completion_mask[0].sum())
+
+        sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+        seeds = [5, 6, 7]
+        unstopped = engine.generate(prompts, 1, sampling, seeds=seeds)
+        stop = unstopped.completions[1][4:6]
+        stopped = engine.generate(prompts, 1, SamplingParams(24, temperature=1.0, stop=(stop,)), seeds=seeds)
+        for row, full in enumerate(unstopped.completions):
+            at = full.find(stop)
+            # One character per token before any EOS; a row without the stop is left as it was.
+            end = int(unstopped.completion_mask[row].sum()) if at < 0 else at + len(stop)
+            assert stopped.completions[row] == (full if at < 0 else full[:end])
+            assert bool(stopped.truncated[row]) == (at < 0 and bool(unstopped.truncated[row]))
+            kept = stopped.completion_mask[row].bool()
+            assert int(kept.sum()) == end
+            assert torch.equal(stopped.completion_ids[row][kept], unstopped.completion_ids[row, :end])
+            torch.testing.assert_close(stopped.sampling_logp[row][kept], unstopped.sampling_logp[row, :end])
+        assert not stopped.truncated[1]
+    finally:
+        engine.close()

@@ -155,7 +155,9 @@ class VLLMEngine:
         seeds: one per completion (N = len(prompts) x G), or None to draw from vLLM's
         global generator. temperature == 0 decodes greedily; sampling_logp then holds
         log-probs at temperature 1. params.batch_size is not used: vLLM schedules requests
-        itself within its KV cache.
+        itself within its KV cache. params.stop ends a completion on the token that completes
+        a stop string (kept in the text and under the mask, not truncated); vLLM looks for it
+        in the completion's text alone, never across the prompt boundary.
         """
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -203,7 +205,12 @@ class VLLMEngine:
             seed=None if greedy else seed,
             stop_token_ids=list(self.eos_ids),
             logprobs=0,  # only the sampled token's log-prob
-            detokenize=False,  # text is decoded below exactly as sample_groups decodes it
+            # vLLM finds stop strings in its own detokenized text; the token that completes one is
+            # the last it keeps, as with transformers. Without stop strings no text is needed: it
+            # is decoded below from the kept tokens, exactly as sample_groups decodes it.
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(params.stop),
         )
 
     def _build_rollout(self, prompts, num_generations, enc, sampled, rows) -> Rollout:
@@ -216,6 +223,12 @@ class VLLMEngine:
             completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             sampling_logp[row, : len(ids)] = torch.tensor(_sampled_logprobs(ids, completion.logprobs))
         completion_mask, truncated = completion_mask_and_truncation(completion_ids, self.eos_ids)
+        # A completion ended by a stop string has no EOS but finished on purpose, as in sample_groups;
+        # it may be shorter than the batch's width, so its padding must leave the mask too.
+        lengths = torch.tensor([len(c.token_ids) for c in sampled])
+        completion_mask = completion_mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1))
+        stopped_by_string = torch.tensor([isinstance(c.stop_reason, str) for c in sampled])
+        truncated = truncated & ~stopped_by_string
         completion_ids = torch.where(completion_mask.bool(), completion_ids, pad_id)
         sampling_logp = sampling_logp * completion_mask
         texts = self.tokenizer.batch_decode(
