@@ -165,11 +165,20 @@ def sample_groups(
             if cut is not None:
                 completion_mask[row, cut:] = 0
                 truncated[row] = False
+    return assemble_rollout(tokenizer, prompts, num_generations, prompt_ids, prompt_mask, completion_ids,
+                            completion_mask, truncated, rows)
+
+
+def assemble_rollout(tokenizer, prompts: list[str], num_generations: int, prompt_ids: torch.Tensor,
+                     prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                     truncated: torch.Tensor, rows: list[dict] | None, sampling_logp: torch.Tensor | None = None
+                     ) -> Rollout:
+    """The Rollout every engine returns: left-padded prompts [N, P] then completions [N, T], padded
+    after their mask, decoded without special tokens; rows and prompts repeated G times."""
     completion_ids = torch.where(completion_mask.bool(), completion_ids, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(
         [ids[m.bool()] for ids, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
     )
-    repeated_rows = [r for r in rows for _ in range(num_generations)] if rows else []
     return Rollout(
         prompts=[p for p in prompts for _ in range(num_generations)],
         completions=texts,
@@ -179,5 +188,6 @@ def sample_groups(
         truncated=truncated,
         prompt_length=prompt_ids.shape[1],
         group_size=num_generations,
-        rows=repeated_rows,
+        rows=[r for r in rows for _ in range(num_generations)] if rows else [],
+        sampling_logp=None if sampling_logp is None else sampling_logp * completion_mask,
     )

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 import torch
 
-from grpokit.rollout.sampler import SamplingParams, _eos_ids, completion_mask_and_truncation
+from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
 from grpokit.types import Rollout
 
 _INSTALL_HINT = (
@@ -229,25 +229,10 @@ class VLLMEngine:
         completion_mask = completion_mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1))
         stopped_by_string = torch.tensor([isinstance(c.stop_reason, str) for c in sampled])
         truncated = truncated & ~stopped_by_string
-        completion_ids = torch.where(completion_mask.bool(), completion_ids, pad_id)
-        sampling_logp = sampling_logp * completion_mask
-        texts = self.tokenizer.batch_decode(
-            [ids[m.bool()] for ids, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
-        )
         prompt_ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)
         prompt_mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)
-        return Rollout(
-            prompts=[p for p in prompts for _ in range(num_generations)],
-            completions=texts,
-            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-            attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
-            completion_mask=completion_mask,
-            truncated=truncated,
-            prompt_length=prompt_ids.shape[1],
-            group_size=num_generations,
-            rows=[r for r in rows for _ in range(num_generations)] if rows else [],
-            sampling_logp=sampling_logp,
-        )
+        return assemble_rollout(self.tokenizer, prompts, num_generations, prompt_ids, prompt_mask, completion_ids,
+                                completion_mask, truncated, rows, sampling_logp)
 
     # ---- weights -----------------------------------------------------------------------
 

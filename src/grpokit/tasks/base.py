@@ -33,8 +33,9 @@ class Task(Protocol):
 
 
 def task_for(config: Config) -> Task:
-    """The built-in chain arithmetic when data.sources is empty, else the files' math questions."""
-    if config.data.sources:
+    """The files' math questions when the config names any data, else the built-in chain arithmetic."""
+    d = config.data
+    if d.sources or d.sft_sources or d.eval_sources:
         from grpokit.tasks.math import MathTask
 
         return MathTask(config)
