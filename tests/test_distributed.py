@@ -1,0 +1,143 @@
+"""Several processes (torchrun, FSDP2 on gloo): the loss, and so the update, does not depend on
+the number of processes (docs/algorithm.md, "the same loss on any number of processes").
+
+The equivalence test takes one fixed batch of rollouts (same prompts, completions, rewards;
+uneven completion lengths; one failed-reward row, whose mask is all zero), makes one SGD step
+on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for each aggregation.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from grpokit import distributed
+from grpokit.checkpoint import CheckpointError, saved_world_size
+from grpokit.config import Config, ConfigError, GRPOConfig, check_world_size
+from grpokit.data import arithmetic
+from grpokit.math import masked_outcome_advantages
+from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.rewards import WeightedReward
+from grpokit.rollout import SamplingParams, sample_groups
+from grpokit.train.grpo import GRPOTrainer, frozen_copy, update_policy
+
+AGGREGATIONS = ("sequence", "token", "constant")
+G, PROMPTS, WORLD = 4, 4, 2
+FAILED_ROW = 13  # in the second process's half: the two halves have different counts
+
+
+def tiny(tokenizer):
+    return build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+
+
+def fixed_batch():
+    """(rows, rollout, rewards, valid): 4 prompts x 4 completions sampled once, uneven lengths."""
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    rows = arithmetic.make_rows(arithmetic.sample_questions(PROMPTS, 0, arithmetic.ChainTask(), "train"))
+    torch.manual_seed(1234)
+    rollout = sample_groups(tiny(tokenizer), tokenizer, [r["prompt"] for r in rows], G,
+                            SamplingParams(max_new_tokens=10, temperature=1.0), rows)
+    rewards = torch.linspace(-1.0, 2.0, PROMPTS * G, dtype=torch.float64).roll(3)
+    valid = torch.ones(PROMPTS * G, dtype=torch.bool)
+    valid[FAILED_ROW] = False
+    return rows, rollout, rewards, valid
+
+
+def one_step(rows, rollout, rewards, valid, aggregation: str, rank: int, world: int, shard: bool,
+             micro_batch_size: int, run_dir) -> dict:
+    """One SGD step (lr 1, no clipping) on this process's contiguous whole groups; the full weights."""
+    from grpokit.models.sharding import full_state_dict, shard_model
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    model = tiny(tokenizer)
+    ref = frozen_copy(model)
+    if shard:
+        shard_model(model)
+        shard_model(ref)
+    config = GRPOConfig(num_generations=G, prompts_per_step=PROMPTS, max_completion_length=10, beta=0.04,
+                        loss_aggregation=aggregation, micro_batch_size=micro_batch_size, max_grad_norm=1e9)
+    trainer = GRPOTrainer(model, tokenizer, [WeightedReward("unused", lambda p, c, **_: [0.0] * len(c))], rows,
+                          config, run_dir, ref_model=ref, progress=False)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    n = rollout.num_samples // world
+    mine = torch.arange(rank * n, (rank + 1) * n)
+    local = rollout.take(mine)
+    advantages = masked_outcome_advantages(rewards[mine].float(), valid[mine], G)  # whole groups: no communication
+    loss_mask = local.completion_mask * valid[mine].unsqueeze(1)
+    ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, local)
+    update_policy(trainer, local, advantages, loss_mask, ref_logp, old_logp, config.beta)
+    return full_state_dict(model)
+
+
+def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    assert distributed.init(timeout_s=120)
+    try:
+        for aggregation in AGGREGATIONS:
+            state = one_step(*batch, aggregation, rank, world, shard=True, micro_batch_size=3,
+                             run_dir=os.path.join(out_dir, f"rank{rank}"))
+            if rank == 0:
+                torch.save(state, os.path.join(out_dir, f"{aggregation}.pt"))
+    finally:
+        distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_path):
+    batch = fixed_batch()
+    _, rollout, _, valid = batch
+    lengths = rollout.completion_lengths
+    assert len(set(lengths.tolist())) > 2, "the batch needs uneven completion lengths"
+    assert not valid[FAILED_ROW]
+
+    mp.spawn(_equivalence_worker, args=(WORLD, free_port(), batch, str(tmp_path)), nprocs=WORLD, join=True)
+
+    initial = tiny(build_char_tokenizer(arithmetic.ALPHABET)).state_dict()
+    for aggregation in AGGREGATIONS:
+        single = one_step(*batch, aggregation, rank=0, world=1, shard=False, micro_batch_size=64,
+                          run_dir=tmp_path / "single")
+        sharded = torch.load(tmp_path / f"{aggregation}.pt")
+        assert sharded.keys() == single.keys()
+        moved = max(float((single[k] - initial[k]).abs().max()) for k in single)
+        worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
+        print(f"{aggregation}: largest weight change {moved:.3e}, largest 2-process vs 1-process difference "
+              f"{worst:.3e}")
+        assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
+        for k in single:
+            torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,
+                                       msg=lambda m, k=k: f"{aggregation}, {k}: {m}")
+
+
+# --------------------------------------------------------------------------- one process: no-ops and checks
+
+
+def test_in_one_process_the_collectives_return_their_input():
+    assert not distributed.is_initialized() and distributed.world_size() == 1 and distributed.is_main()
+    assert distributed.all_reduce_sum(3.5) == 3.5 and distributed.all_reduce_sum(2) == 2
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(distributed.all_reduce_sum(t), t)
+    assert distributed.all_agree(True) and not distributed.all_agree(False)
+    assert distributed.sum_dict({"a": 1.0}) == {"a": 1.0}
+    assert distributed.reduce_metrics({"step": 3, "x": 0.5}) == {"step": 3, "x": 0.5}
+    assert distributed.process_seed(7) == 7
+    distributed.barrier()
+
+
+def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
+    config = Config()
+    config.grpo.prompts_per_step = 6
+    check_world_size(config, 3)
+    with pytest.raises(ConfigError, match=r"prompts_per_step=6.*4 processes \(the world size\)"):
+        check_world_size(config, 4)
