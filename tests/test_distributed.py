@@ -141,3 +141,112 @@ def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
     check_world_size(config, 3)
     with pytest.raises(ConfigError, match=r"prompts_per_step=6.*4 processes \(the world size\)"):
         check_world_size(config, 4)
+
+
+# --------------------------------------------------------------------------- torchrun end to end
+
+
+def length_reward(prompts, completions, **_):
+    """Varies within a group even for an untrained model, so the weights really move."""
+    return [len(c) / 16 for c in completions]
+
+
+TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
+        "--model.tiny.intermediate_size=64", "--prompts_per_step=4", "--num_generations=4",
+        "--max_completion_length=12", "--num_rl_questions=200", "--num_eval_questions=4", "--eval.k=2",
+        "--grpo.save_steps=2", "--grpo.warmup_steps=1", "--grpo.learning_rate=1e-3", "--eval.before=false",
+        "--distributed.timeout_s=120", "--quiet"]
+
+
+def run_env() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(os.path.dirname(here), "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, here]), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def torchrun(nproc: int, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+            str(free_port()), "-m", "grpokit", *args]
+
+
+def config_file(tmp_path) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text("rewards:\n  - name: test_distributed:length_reward\n")
+    return str(path)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_train_then_sigkill_and_resume_exactly(tmp_path):
+    """`torchrun --nproc_per_node=2 -m grpokit train CONFIG` on CPU (gloo): a 4-step run, and the
+    same run killed with SIGKILL after step 3 (checkpoint step-2 on disk) and resumed, end with
+    the same weights and the same metrics rows but the timings."""
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.metrics import read_metrics
+
+    config = config_file(tmp_path)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = subprocess.run(torchrun(2, "train", config, f"--output_dir={straight}", "--grpo.max_steps=4", *TINY),
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step4 = straight / "checkpoints" / "step-4"
+    assert saved_world_size(step4) == 2 and (step4 / "trainer_state.rank1.pt").is_file()
+    AutoModelForCausalLM.from_pretrained(step4)  # one Hugging Face checkpoint, gathered from the shards
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes
+    assert any(r["grad_norm"] > 0 for r in rows) and "greedy accuracy" in done.stdout
+
+    proc = subprocess.Popen(torchrun(2, "train", config, f"--output_dir={killed}", "--grpo.max_steps=4", *TINY),
+                            env=run_env(), stdout=subprocess.DEVNULL, stderr=(tmp_path / "killed.log").open("w"))
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.05)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and both workers at once (they are
+        os.kill(pid, signal.SIGKILL)                 # in their own sessions: killpg would miss them)
+    proc.wait(timeout=60)
+    assert not (killed / "checkpoints" / "step-4").exists()
+
+    resumed = subprocess.run(torchrun(2, "train", str(killed / "config.yaml"), "--resume"), env=run_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    a, b = load_file(step4 / "model.safetensors"), load_file(killed / "checkpoints" / "step-4" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    assert comparable(read_metrics(metrics)) == comparable(rows)
+
+    # One process cannot resume what two wrote: a clear refusal that says what to do.
+    one = subprocess.run([sys.executable, "-m", "grpokit", "train", str(straight / "config.yaml"), "--resume",
+                          "--grpo.max_steps=5"], env=run_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 1
+    assert "written by 2 processes and this run has 1" in one.stderr and "--nproc_per_node=2" in one.stderr
+    assert "--model.name_or_path=" in one.stderr

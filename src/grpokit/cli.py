@@ -176,27 +176,43 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.checkpoint import CheckpointError
     from grpokit.data.files import DatasetError
+    from grpokit.distributed import PeerFailure
     from grpokit.models.loading import ModelNotFound
     from grpokit.runlock import RunDirectoryLocked
     from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
-            RewardModelDataError)
+            RewardModelDataError, PeerFailure)
 
 
 def _run(args, config) -> int:
-    from grpokit import pipeline
+    """Run the command; under torchrun, in a process group (every process runs this same code)."""
+    from grpokit import distributed, pipeline
 
-    progress = not args.quiet
-    if args.command == "demo":
-        pipeline.run_demo(config, progress)
-    elif args.command == "train-rm":
-        pipeline.run_train_rm(config, progress, data=args.data)
-    elif args.command == "train":
-        pipeline.run_train(config, progress, resume=args.resume, force=args.force)
-    else:
-        pipeline.run_sft(config, progress)
+    if distributed.env_world_size() > 1 and args.command != "train":
+        raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun only `grpokit train` "
+                          "is data parallel so far")
+    distributed.init(config.distributed.timeout_s)
+    distributed.main_only_stdout()
+    try:
+        progress = not args.quiet
+        if args.command == "demo":
+            pipeline.run_demo(config, progress)
+        elif args.command == "train-rm":
+            pipeline.run_train_rm(config, progress, data=args.data)
+        elif args.command == "train":
+            pipeline.run_train(config, progress, resume=args.resume, force=args.force)
+        else:
+            pipeline.run_sft(config, progress)
+    except BaseException as err:
+        if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
+            print(f"grpokit: process {distributed.rank()} of {distributed.world_size()} stopped "
+                  f"({type(err).__name__}); the others stop at their next collective, within "
+                  f"distributed.timeout_s={config.distributed.timeout_s:g}s", file=sys.stderr)
+        raise
+    finally:
+        distributed.shutdown()
     return 0
 
 

@@ -2,6 +2,10 @@
 each on any checkpoint; `grpokit demo` runs the stages its preset (presets/demo.yaml) lists,
 the same code: SFT -> pi_SFT saved and reloaded through the hub loader -> RL -> the table.
 
+Under `torchrun --nproc_per_node=N -m grpokit train ...` every process runs this same code on
+its own share of each batch (train/loop.py); the models are sharded with FSDP2
+(models/sharding.py), and rank 0 alone takes the run lock and writes files.
+
 `train` evaluates the task's held-out questions before and after RL (eval.before), writes the
 before/after table (results.md), summary.json and the reward curve. With a learned reward
 (reward_model.kind), round 0 trains the reward model on pi_SFT's own samples graded by rule,
@@ -15,17 +19,20 @@ import json
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
-from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint
-from grpokit.config import Config, ConfigError, resume_differences, to_dict
+from grpokit import distributed
+from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint, saved_world_size
+from grpokit.config import Config, ConfigError, check_world_size, resume_differences, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
 from grpokit.data.reward_data import pairs_from_graded, read_graded_samples, read_preference_pairs, read_step_labels
 from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.runlock import RunLock
+from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import make_engine
 from grpokit.tasks import task_for
@@ -36,10 +43,35 @@ from grpokit.train.reward_model import evaluate_reward_model, fit_reward_model, 
 from grpokit.train.sft import sft_train
 
 
+@contextmanager
+def run_lock(output_dir: str):
+    """The run directory's lock, taken by rank 0 alone (the other processes write nothing there);
+    when rank 0 cannot take it, every process stops."""
+    if distributed.world_size() == 1:
+        with RunLock(output_dir):
+            yield
+        return
+    lock, failure = RunLock(output_dir), None
+    if distributed.is_main():
+        try:
+            lock.__enter__()
+        except Exception as err:  # RunDirectoryLocked, or an unwritable directory
+            failure = err
+    if not distributed.all_agree(failure is None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not lock the run directory {output_dir}; see its message")
+    try:
+        yield
+    finally:
+        if distributed.is_main():
+            lock.__exit__(None, None, None)
+
+
 def run_sft(config: Config, progress: bool = True) -> Path:
     """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations."""
     check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
-    with RunLock(config.output_dir):
+    with run_lock(config.output_dir):
         run_dir = start_run(config)
         model, tokenizer = load_policy(config)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
@@ -170,7 +202,28 @@ def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path
     checkpoint = boundary / "policy" if boundary is not None else \
         find_resume_checkpoint(config.output_dir, None if resume is True else resume)
     check_resume_config(checkpoint, config, force)
+    saved, world = saved_world_size(checkpoint), distributed.world_size()
+    if saved != world:
+        raise CheckpointError(
+            f"{checkpoint} was written by {saved} process{'es' * (saved > 1)} and this run has {world}: an exact "
+            f"resume needs the same number (torchrun --nproc_per_node={saved} ... --resume), because each "
+            f"process's optimizer shard and random streams are saved apart. To go on with {world} instead, start "
+            f"a new run from its weights: --model.name_or_path={checkpoint} (the optimizer and the data order "
+            f"start afresh)")
     return checkpoint, boundary
+
+
+def _shard_for_run(config: Config, model, ref_model):
+    """FSDP2 for the policy and the frozen reference (made before sharding: a sharded model cannot be
+    copied) when distributed.fsdp asks for it; the pair to train with."""
+    if not world_sharding(config.distributed.fsdp):
+        return model, ref_model
+    if ref_model is None and config.grpo.beta > 0:
+        ref_model = frozen_copy(model)
+    shard_model(model)
+    if ref_model is not None:
+        shard_model(ref_model)
+    return model, ref_model
 
 
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
@@ -181,9 +234,10 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
         check_sources(sources, config.data.skip_malformed_lines)
     check_reward_model_setup(config)
-    with RunLock(config.output_dir):
+    check_world_size(config, distributed.world_size())
+    with run_lock(config.output_dir):
         checkpoint, boundary = _resume_point(config, resume, force)
-        run_dir = start_run(config, fresh=checkpoint is None)
+        run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
         if checkpoint is None:
             model, tokenizer = load_policy(config)
@@ -191,6 +245,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         else:  # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
             model, tokenizer = load_policy(config, str(checkpoint))
             ref_model = frozen_copy(load_policy(config)[0]) if config.grpo.beta > 0 else None
+        model, ref_model = _shard_for_run(config, model, ref_model)
         data = task.data(tokenizer, sft=False)
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
@@ -202,7 +257,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
         stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
                                       engine)
-        seed_everything(config.seed)
+        seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None, engine=engine)
         if checkpoint is not None:
@@ -224,7 +279,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
             summary.update(_report(config, task, run_dir, history, before, after))
         summary["wall_seconds"] = time.perf_counter() - started
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if distributed.is_main():
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
     return summary
 
@@ -248,10 +304,11 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
     table = format_table(task, before, after, config.algo)
     print(table)
     print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
-    (run_dir / "results.md").write_text(table + "\n")
-    plot_reward_curve(history, run_dir / "reward_curve.png",
-                      title=f"grpokit {config.algo.upper()} (seed {config.seed})",
-                      baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
+    if distributed.is_main():  # every process evaluated the same questions; one writes
+        (run_dir / "results.md").write_text(table + "\n")
+        plot_reward_curve(history, run_dir / "reward_curve.png",
+                          title=f"grpokit {config.algo.upper()} (seed {config.seed})",
+                          baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
     refreshes = run_dir / "reward_model_metrics.jsonl"
     rm_rounds = [json.loads(line) for line in refreshes.read_text().splitlines()] if refreshes.is_file() else []
     out = {
@@ -291,7 +348,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
-    with RunLock(config.output_dir):
+    with run_lock(config.output_dir):
         run_dir = start_run(config)
         examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
                                          config.seed, rm.max_pairs_per_prompt) if data else None

@@ -51,10 +51,13 @@ def load_policy(config: Config, path: str | None = None):
     return model.to(resolve_device(m.device)), tokenizer
 
 
-def start_run(config: Config, fresh: bool = False) -> Path:
+def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
     """Create the run directory, save config.yaml, seed everything; a `fresh` run drops the
-    per-run logs an earlier run left there."""
+    per-run logs an earlier run left there. `write`=False (ranks other than 0) only seeds."""
     run_dir = Path(config.output_dir)
+    if not write:
+        seed_everything(config.seed)
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
         for stale in RUN_LOGS:

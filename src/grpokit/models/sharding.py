@@ -109,5 +109,10 @@ def grad_norm_value(norm) -> torch.Tensor:
 
 
 def world_sharding(config_fsdp: str) -> bool:
-    """Whether to shard: model.fsdp 'on', or 'auto' in a multi-process run."""
+    """Whether to shard: distributed.fsdp 'on', or 'auto' in a multi-process run."""
+    if config_fsdp == "on" and not distributed.is_initialized():
+        from grpokit.config import ConfigError
+
+        raise ConfigError("distributed.fsdp=on needs a process group: start the run with torchrun "
+                          "(torchrun --nproc_per_node=1 -m grpokit ... for one process)")
     return config_fsdp == "on" or (config_fsdp == "auto" and distributed.world_size() > 1)
