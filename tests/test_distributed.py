@@ -3,7 +3,8 @@ the number of processes (docs/algorithm.md, "the same loss on any number of proc
 
 The equivalence test takes one fixed batch of rollouts (same prompts, completions, rewards;
 uneven completion lengths; one failed-reward row, whose mask is all zero), makes one SGD step
-on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for each aggregation.
+on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for each aggregation
+(and for a LoRA policy, whose reference is its base model with the adapters disabled).
 """
 
 import os
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 
 from grpokit import distributed
 from grpokit.checkpoint import CheckpointError, saved_world_size
-from grpokit.config import Config, ConfigError, GRPOConfig, check_world_size
+from grpokit.config import Config, ConfigError, GRPOConfig, LoraConfig, check_world_size
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.models import build_char_tokenizer, build_tiny_model
@@ -47,21 +48,31 @@ def fixed_batch():
     return rows, rollout, rewards, valid
 
 
-def one_step(rows, rollout, rewards, valid, aggregation: str, rank: int, world: int, shard: bool,
-             micro_batch_size: int, run_dir) -> dict:
-    """One SGD step (lr 1, no clipping) on this process's contiguous whole groups; the full weights."""
+CASES = [(aggregation, False) for aggregation in AGGREGATIONS] + [("token", True)]  # (aggregation, LoRA)
+
+
+def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: int, world: int, shard: bool,
+             micro_batch_size: int, run_dir, steps: int = 1) -> dict:
+    """One SGD step (lr 1, no clipping) on this process's contiguous whole groups; the full weights
+    (before the step with steps=0)."""
+    from grpokit.models.lora import apply_lora
     from grpokit.models.sharding import full_state_dict, shard_model
 
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     model = tiny(tokenizer)
-    ref = frozen_copy(model)
+    ref = None
+    if lora:  # the trainer runs the base model under the adapters as the reference
+        model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    else:
+        ref = frozen_copy(model)
     if shard:
         shard_model(model)
-        shard_model(ref)
+        if ref is not None:
+            shard_model(ref)
     config = GRPOConfig(num_generations=G, prompts_per_step=PROMPTS, max_completion_length=10, beta=0.04,
                         loss_aggregation=aggregation, micro_batch_size=micro_batch_size, max_grad_norm=1e9)
-    trainer = GRPOTrainer(model, tokenizer, [WeightedReward("unused", lambda p, c, **_: [0.0] * len(c))], rows,
-                          config, run_dir, ref_model=ref, progress=False)
+    unused = WeightedReward("unused", lambda prompts, completions, **_: [0.0] * len(completions))
+    trainer = GRPOTrainer(model, tokenizer, [unused], rows, config, run_dir, ref_model=ref, progress=False)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
     n = rollout.num_samples // world
@@ -70,7 +81,8 @@ def one_step(rows, rollout, rewards, valid, aggregation: str, rank: int, world: 
     advantages = masked_outcome_advantages(rewards[mine].float(), valid[mine], G)  # whole groups: no communication
     loss_mask = local.completion_mask * valid[mine].unsqueeze(1)
     ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, local)
-    update_policy(trainer, local, advantages, loss_mask, ref_logp, old_logp, config.beta)
+    if steps:
+        update_policy(trainer, local, advantages, loss_mask, ref_logp, old_logp, config.beta)
     return full_state_dict(model)
 
 
@@ -80,11 +92,11 @@ def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -
     torch.set_num_threads(1)
     assert distributed.init(timeout_s=120)
     try:
-        for aggregation in AGGREGATIONS:
-            state = one_step(*batch, aggregation, rank, world, shard=True, micro_batch_size=3,
+        for aggregation, lora in CASES:
+            state = one_step(*batch, aggregation, lora, rank, world, shard=True, micro_batch_size=3,
                              run_dir=os.path.join(out_dir, f"rank{rank}"))
             if rank == 0:
-                torch.save(state, os.path.join(out_dir, f"{aggregation}.pt"))
+                torch.save(state, os.path.join(out_dir, f"{aggregation}-{lora}.pt"))
     finally:
         distributed.shutdown()
 
@@ -104,16 +116,18 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
 
     mp.spawn(_equivalence_worker, args=(WORLD, free_port(), batch, str(tmp_path)), nprocs=WORLD, join=True)
 
-    initial = tiny(build_char_tokenizer(arithmetic.ALPHABET)).state_dict()
-    for aggregation in AGGREGATIONS:
-        single = one_step(*batch, aggregation, rank=0, world=1, shard=False, micro_batch_size=64,
+    for aggregation, lora in CASES:
+        single = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
                           run_dir=tmp_path / "single")
-        sharded = torch.load(tmp_path / f"{aggregation}.pt")
+        sharded = torch.load(tmp_path / f"{aggregation}-{lora}.pt")
         assert sharded.keys() == single.keys()
+        torch.manual_seed(0)
+        initial = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
+                           run_dir=tmp_path / "initial", steps=0)
         moved = max(float((single[k] - initial[k]).abs().max()) for k in single)
         worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
-        print(f"{aggregation}: largest weight change {moved:.3e}, largest 2-process vs 1-process difference "
-              f"{worst:.3e}")
+        print(f"{aggregation}{' LoRA' if lora else ''}: largest weight change {moved:.3e}, largest 2-process vs "
+              f"1-process difference {worst:.3e}")
         assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
         for k in single:
             torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,

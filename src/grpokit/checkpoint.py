@@ -124,12 +124,13 @@ def save_model_files(model, tokenizer, directory: Path, state_dict=None) -> None
     tokenizer.save_pretrained(directory)
 
 
-def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=None) -> Path:
+def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=None, state_dict=None) -> Path:
     """Write model + tokenizer (+ `extra(tmp_dir)` for more files) to `path` atomically.
 
     Under torchrun every process calls it: the weights are gathered from their shards, rank 0
     writes them, the tokenizer and `extra`, and each process writes `rank_extra(tmp_dir)`
-    (its own trainer state). On any failure on any process (full disk, unwritable directory)
+    (its own trainer state). `state_dict`: the full weights when the caller has gathered them
+    already. On any failure on any process (full disk, unwritable directory)
     the temp directory is removed, whatever was at `path` before is left as it was, and every
     process raises a CheckpointError that says what happened.
     """
@@ -139,7 +140,7 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=N
     main = distributed.is_main()
     tmp = final.with_name(f".{final.name}.tmp-{distributed.broadcast_object(os.getpid())}")
     # Collective for sharded models: every process gathers, rank 0 keeps the tensors.
-    state = full_state_dict(model) if is_sharded(model) else None
+    state = state_dict if state_dict is not None else full_state_dict(model) if is_sharded(model) else None
     failure: BaseException | None = None
 
     def phase(step) -> None:
@@ -206,8 +207,8 @@ class CheckpointManager:
         found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def save(self, step: int, model, tokenizer, extra=None, rank_extra=None) -> Path:
-        path = save_checkpoint(model, tokenizer, self.directory / f"step-{step}", extra, rank_extra)
+    def save(self, step: int, model, tokenizer, extra=None, rank_extra=None, state_dict=None) -> Path:
+        path = save_checkpoint(model, tokenizer, self.directory / f"step-{step}", extra, rank_extra, state_dict)
         if distributed.is_main():
             self._point_latest_at(path.name)
             self._prune(keep=path)

@@ -481,6 +481,9 @@ def validate(config: Config) -> None:
         (0 <= config.model.lora.dropout < 1, f"model.lora.dropout must lie in [0, 1), got {config.model.lora.dropout}"),
         (config.model.lora.r == 0 or bool(config.model.lora.target_modules),
          "model.lora.target_modules must name at least one module (or ['all-linear'])"),
+        (config.model.lora.r == 0 or config.iterative.iterations == 1,
+         "iterative.iterations > 1 resets pi_ref to pi_theta, which LoRA's reference (the base model under the "
+         "adapters) cannot follow: use model.lora.r=0"),
         (config.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {config.distributed.timeout_s}"),
     ]
     for ok, message in checks:

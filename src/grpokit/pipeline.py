@@ -32,6 +32,7 @@ from grpokit.data.reward_data import pairs_from_graded, read_graded_samples, rea
 from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.runlock import RunLock
+from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import make_engine
@@ -213,12 +214,29 @@ def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path
     return checkpoint, boundary
 
 
+def _policy_for_run(config: Config, checkpoint: Path | None):
+    """(policy, tokenizer, reference or None) for RL: model.name_or_path, or the checkpoint resumed;
+    with LoRA (model.lora.r > 0), the base model plus new or resumed adapters, and no separate
+    reference (the trainer runs the base under the adapters). None = the trainer makes the reference."""
+    lora = config.model.lora.r > 0
+    model, tokenizer = load_policy(config, None if lora or checkpoint is None else str(checkpoint))
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if lora:
+        model = apply_lora(model, config.model.lora) if checkpoint is None else load_lora(model, checkpoint)
+    elif checkpoint is not None and config.grpo.beta > 0:
+        # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
+        ref_model = frozen_copy(load_policy(config)[0])
+    return model, tokenizer, ref_model
+
+
 def _shard_for_run(config: Config, model, ref_model):
     """FSDP2 for the policy and the frozen reference (made before sharding: a sharded model cannot be
     copied) when distributed.fsdp asks for it; the pair to train with."""
     if not world_sharding(config.distributed.fsdp):
         return model, ref_model
-    if ref_model is None and config.grpo.beta > 0:
+    if ref_model is None and config.grpo.beta > 0 and not is_lora(model):
         ref_model = frozen_copy(model)
     shard_model(model)
     if ref_model is not None:
@@ -239,12 +257,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         checkpoint, boundary = _resume_point(config, resume, force)
         run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
-        if checkpoint is None:
-            model, tokenizer = load_policy(config)
-            ref_model = None
-        else:  # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
-            model, tokenizer = load_policy(config, str(checkpoint))
-            ref_model = frozen_copy(load_policy(config)[0]) if config.grpo.beta > 0 else None
+        model, tokenizer, ref_model = _policy_for_run(config, checkpoint)
         model, ref_model = _shard_for_run(config, model, ref_model)
         data = task.data(tokenizer, sft=False)
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)

@@ -80,7 +80,7 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
     engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
     logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
     common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
-                  rollout_config=config.rollout)
+                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged)
     if config.algo == "ppo":
         return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
     return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)

@@ -34,6 +34,7 @@ from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, truncate_metrics
+from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
 from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
@@ -131,6 +132,7 @@ class Trainer:
         engine: RolloutEngine | None = None,
         logger: MetricsLogger | None = None,
         rollout_config: RolloutConfig | None = None,
+        save_merged: bool = False,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
@@ -148,7 +150,11 @@ class Trainer:
         self.dataset, self.config = dataset, config
         self.progress = progress and distributed.is_main()
         self.run_dir = Path(run_dir)
-        self.ref_model = ref_model if ref_model is not None else (frozen_copy(model) if config.beta > 0 else None)
+        if ref_model is None and config.beta > 0:  # LoRA: the base model under the adapters, no copy
+            ref_model = AdapterDisabledReference(model) if is_lora(model) else frozen_copy(model)
+        self.ref_model = ref_model
+        self.save_merged = save_merged and is_lora(model)  # checkpoints also hold merged/ (base + adapter)
+        self._gathered: dict | None = None
         self.engine = engine if engine is not None else HFEngine(model, tokenizer)
         self.rollout_config = rollout_config or RolloutConfig()
         # experiment trackers (report_to); metrics.jsonl is always written, by rank 0
@@ -255,7 +261,10 @@ class Trainer:
 
     def engine_weights(self) -> dict | None:
         """What a separate engine loads after each update: None (the model's own state dict) for a
-        plain policy; the gathered full weights, on every process, for a sharded one."""
+        plain policy; the gathered full weights, on every process, for a sharded one; the merged
+        weights (base + adapter) for a LoRA policy."""
+        if is_lora(self.model):
+            return merged_state_dict(self.model, full_state_dict(self.model, everywhere=True))
         return full_state_dict(self.model, everywhere=True) if is_sharded(self.model) else None
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
@@ -387,6 +396,9 @@ class Trainer:
 
     def reset_reference(self) -> None:
         """pi_ref <- pi_theta, as iterative GRPO does at the start of each iteration (Algorithm 1)."""
+        if isinstance(self.ref_model, AdapterDisabledReference):
+            raise ValueError("iterative GRPO resets pi_ref to pi_theta, which LoRA's reference (the base model "
+                             "under the adapters) cannot follow; use a full fine-tune (model.lora.r=0)")
         if self.ref_model is not None:
             self.ref_model.load_state_dict(self.model.state_dict())
 
@@ -424,12 +436,21 @@ class Trainer:
         before_save = getattr(self.algorithm, "before_save", None)
         if before_save is not None:
             before_save()  # gathers what the algorithm saves (collective under FSDP2)
-        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files,
-                                     rank_extra=self._write_rank_state)
+        # the full weights, gathered once (collective under FSDP2; on rank 0)
+        self._gathered = full_state_dict(self.model) if is_sharded(self.model) or self.save_merged else None
+        try:
+            return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files,
+                                         rank_extra=self._write_rank_state, state_dict=self._gathered)
+        finally:
+            self._gathered = None
 
     def _write_extra_files(self, directory: Path) -> None:
         """Everything besides the policy that goes into a checkpoint (rank 0)."""
         self.algorithm.save_files(directory)
+        if self.save_merged:  # the merged model, loadable with from_pretrained alone
+            self.model.get_base_model().save_pretrained(directory / "merged", safe_serialization=True,
+                                                        state_dict=merged_state_dict(self.model, self._gathered))
+            self.tokenizer.save_pretrained(directory / "merged")
         if (self.run_dir / "config.yaml").is_file():
             shutil.copyfile(self.run_dir / "config.yaml", directory / "config.yaml")
 
