@@ -264,3 +264,22 @@ def test_torchrun_two_processes_train_then_sigkill_and_resume_exactly(tmp_path):
     assert one.returncode == 1
     assert "written by 2 processes and this run has 1" in one.stderr and "--nproc_per_node=2" in one.stderr
     assert "--model.name_or_path=" in one.stderr
+
+
+@pytest.mark.slow
+def test_bench_memory_measures_full_and_lora_on_one_and_two_processes(tmp_path):
+    """The measured memory table: 4 setups, each a real run (2 processes: torchrun, FSDP2, and a
+    LoRA policy sampling through the sharded model)."""
+    import json
+
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, "-m", "grpokit", "bench", "memory", "--measure", "--hidden-size=32",
+                           "--num-layers=2", "--num-heads=2", "--intermediate-size=64", "--lora-r=4", "--steps=1",
+                           "--max-completion-length=8", "--json", str(out)],
+                          env=run_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["setup"], r["processes"]) for r in rows] == [("full", 1), ("full", 2), ("LoRA r=4", 1),
+                                                            ("LoRA r=4", 2)]
+    assert all(r["peak_bytes"] > 0 for r in rows)
+    assert "| LoRA r=4 | 2 |" in done.stdout and "vs full, 1 process" in done.stdout

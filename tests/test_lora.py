@@ -104,7 +104,8 @@ def test_merging_is_w_plus_scaled_b_a(tiny_model):
     expected[1, 0] = 24.0
     torch.testing.assert_close(change, expected)
     untouched = "model.layers.1.self_attn.q_proj.weight"  # B = 0 there: W itself
-    torch.testing.assert_close(merged[untouched], state[f"base_model.model.{untouched[:-len('weight')]}base_layer.weight"])
+    base_weight = f"base_model.model.{untouched.removesuffix('weight')}base_layer.weight"
+    torch.testing.assert_close(merged[untouched], state[base_weight])
 
 
 def test_lora_with_gradient_checkpointing_trains_and_resumes_from_the_command_line(tmp_path):

@@ -179,8 +179,13 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=N
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
 
-    for step in (write_shared, write_own, publish):
-        phase(step)
+    try:
+        for step in (write_shared, write_own, publish):
+            phase(step)
+    except BaseException:  # a peer died mid-save (PeerFailure), or a second signal: no half-written directory
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if failure is not None:  # clean up, keep the old one
         if main:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -124,7 +124,8 @@ def bench(argv: list[str]) -> int:
 
         return memory_main(argv[1:])
     print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
-          "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic",
+          "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic\n"
+          "       grpokit bench memory --measure [...]        peak memory per process, full vs LoRA, 1 vs 2",
           file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

@@ -21,10 +21,17 @@ from grpokit import distributed
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
 
 
+def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
+    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(fsdp_root(model), FSDPModule)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -38,7 +45,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """fully_shard each decoder layer and the root, in place; gradients summed over processes."""
+    """fully_shard each decoder layer and the root (see fsdp_root), in place; gradients summed
+    over processes."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     on_cuda = next(model.parameters()).device.type == "cuda"
@@ -46,7 +54,7 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    fully_shard(fsdp_root(model), mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: the loss already divides by the global count

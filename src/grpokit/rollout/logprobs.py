@@ -121,9 +121,9 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from grpokit.models.sharding import is_sharded
 
-    return isinstance(model, FSDPModule)
+    return is_sharded(model)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -97,9 +97,9 @@ def _check_stop_strings(tokenizer, stops: tuple[str, ...]) -> None:
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from grpokit.models.sharding import is_sharded
 
-    return any(isinstance(m, FSDPModule) for m in (model, getattr(model, "base_model", None)))
+    return is_sharded(model)
 
 
 @torch.no_grad()

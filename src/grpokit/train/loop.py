@@ -77,8 +77,8 @@ def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: in
 
 # Metrics rows are means over processes, except these, which add up or take the maximum.
 SUMMED_METRICS = ("rewards/failed", "rewards/timeouts", "perf/tokens_per_s")
-MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s", "perf/scoring_time_s",
-                 "perf/logprob_time_s", "perf/update_time_s", "rollout/sync_time_s")
+MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s",
+                 "perf/scoring_time_s", "perf/logprob_time_s", "perf/update_time_s", "rollout/sync_time_s")
 
 
 class _NullWriter:
