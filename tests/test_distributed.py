@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grpokit import distributed
-from grpokit.checkpoint import CheckpointError, saved_world_size
+from grpokit.checkpoint import saved_world_size
 from grpokit.config import Config, ConfigError, GRPOConfig, LoraConfig, check_world_size
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
@@ -283,3 +283,31 @@ def test_bench_memory_measures_full_and_lora_on_one_and_two_processes(tmp_path):
                                                             ("LoRA r=4", 2)]
     assert all(r["peak_bytes"] > 0 for r in rows)
     assert "| LoRA r=4 | 2 |" in done.stdout and "vs full, 1 process" in done.stdout
+
+
+@pytest.mark.slow
+def test_when_one_process_dies_the_other_stops_with_a_message_and_no_half_checkpoint(tmp_path):
+    import signal
+    import time
+
+    config, run = config_file(tmp_path), tmp_path / "run"
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(torchrun(2, "train", config, f"--output_dir={run}", "--grpo.max_steps=500", *TINY),
+                            env=run_env(), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 600
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):  # step-2 saved
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    workers = descendants(proc.pid)
+    rank1 = [p for p in workers if b"LOCAL_RANK=1\0" in open(f"/proc/{p}/environ", "rb").read()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    proc.wait(timeout=180)  # well within distributed.timeout_s: the survivor does not hang
+    assert proc.returncode != 0
+    assert "grpokit: process 0 of 2 stopped" in log.read_text()
+    checkpoints = run / "checkpoints"
+    assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]  # no temp directory left
+    from grpokit.checkpoint import verify_checkpoint
+
+    for step in checkpoints.glob("step-*"):
+        assert verify_checkpoint(step) == []

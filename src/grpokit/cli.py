@@ -208,9 +208,12 @@ def _run(args, config) -> int:
             pipeline.run_sft(config, progress)
     except BaseException as err:
         if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
-            print(f"grpokit: process {distributed.rank()} of {distributed.world_size()} stopped "
-                  f"({type(err).__name__}); the others stop at their next collective, within "
-                  f"distributed.timeout_s={config.distributed.timeout_s:g}s", file=sys.stderr)
+            reason = (str(err).strip().splitlines() or [""])[0][:300]
+            print(f"grpokit: process {distributed.rank()} of {distributed.world_size()} stopped: "
+                  f"{type(err).__name__}: {reason}\n(if another process died first, its own message says why; "
+                  f"the rest stop at their next collective, within distributed.timeout_s="
+                  f"{config.distributed.timeout_s:g}s. Checkpoints already written are intact: resume with the "
+                  f"same torchrun command and --resume)", file=sys.stderr)
         raise
     finally:
         distributed.shutdown()

@@ -275,7 +275,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
                                reward_scorer=stage.scorer if stage else None, engine=engine)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
-            print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
+            if distributed.is_main():
+                print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
         rl_started = time.perf_counter()
         start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
         try:

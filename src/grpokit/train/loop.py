@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit import distributed
-from grpokit.checkpoint import TRAINER_STATE, CheckpointManager, rank_state_file
+from grpokit.checkpoint import CheckpointManager, rank_state_file
 from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
