@@ -86,6 +86,21 @@ def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: 
     return full_state_dict(model)
 
 
+def sft_losses(shard: bool) -> list[float]:
+    """Two SFT steps (AdamW) on the same demonstrations: the per-step mean token loss of the whole batch."""
+    from grpokit.config import SFTConfig
+    from grpokit.models.sharding import shard_model
+    from grpokit.train.sft import sft_train
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    model = tiny(tokenizer)
+    if shard:
+        shard_model(model)
+    questions = arithmetic.sample_questions(16, 0, arithmetic.ChainTask(), "train")
+    demos = [(r["prompt"], r["solution"]) for r in arithmetic.make_sft_rows(questions, 0.5, 0)]
+    return sft_train(model, tokenizer, demos, SFTConfig(max_steps=2, batch_size=8, warmup_steps=0), progress=False)
+
+
 def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
@@ -97,6 +112,9 @@ def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -
                              run_dir=os.path.join(out_dir, f"rank{rank}"))
             if rank == 0:
                 torch.save(state, os.path.join(out_dir, f"{aggregation}-{lora}.pt"))
+        losses = sft_losses(shard=True)
+        if rank == 0:
+            torch.save(losses, os.path.join(out_dir, "sft.pt"))
     finally:
         distributed.shutdown()
 
@@ -132,6 +150,11 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
         for k in single:
             torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,
                                        msg=lambda m, k=k: f"{aggregation}, {k}: {m}")
+
+    # SFT: each process's share of the batch over the whole batch's token count (uneven lengths)
+    two, one = torch.load(tmp_path / "sft.pt"), sft_losses(shard=False)
+    print(f"sft: losses on 2 processes {two}, on 1 process {one}")
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
 # --------------------------------------------------------------------------- one process: no-ops and checks

@@ -191,9 +191,9 @@ def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
     from grpokit import distributed, pipeline
 
-    if distributed.env_world_size() > 1 and args.command != "train":
-        raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun only `grpokit train` "
-                          "is data parallel so far")
+    if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
+        raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
+                          "`grpokit sft` are data parallel")
     distributed.init(config.distributed.timeout_s)
     distributed.main_only_stdout()
     try:

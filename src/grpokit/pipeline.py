@@ -70,12 +70,20 @@ def run_lock(output_dir: str):
 
 
 def run_sft(config: Config, progress: bool = True) -> Path:
-    """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations."""
+    """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations; data parallel
+    under torchrun (sft.batch_size is the global batch)."""
     check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
+    if config.sft.batch_size % distributed.world_size():
+        raise ConfigError(f"sft.batch_size={config.sft.batch_size} does not split over {distributed.world_size()} "
+                          f"processes (the world size): make it a multiple of {distributed.world_size()}")
     with run_lock(config.output_dir):
-        run_dir = start_run(config)
+        run_dir = start_run(config, write=distributed.is_main())
         model, tokenizer = load_policy(config)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if world_sharding(config.distributed.fsdp):
+            shard_model(model)
         demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)
         if not demos:
             raise ConfigError("no SFT demonstrations: set data.sft_sources to files with worked solutions")
