@@ -3,12 +3,17 @@
 A checkpoint directory `checkpoints/step-N/` holds
   model.safetensors, config.json, tokenizer files   (AutoModelForCausalLM.from_pretrained loads it)
   trainer_state.pt    optimizer, scheduler, RNG streams, step, data-sampler position
+  trainer_state.rank{r}.pt   the same for process r > 0 of a torchrun run (optimizer shards, RNG)
   config.yaml         the run's config when it was saved
   manifest.json       size and sha256 of every file above, written last
 
 Writes are atomic: everything goes into a hidden temp directory, each file is fsynced, the
 directory is renamed into place, and only then is the `latest` pointer replaced. A crash or a
 full disk at any moment leaves the previous checkpoint, and the pointer to it, untouched.
+
+Under torchrun the weights are gathered from the FSDP2 shards and rank 0 writes them, as one
+Hugging Face checkpoint; every process writes its own trainer state into the same temp
+directory, and rank 0 renames it into place only once all have succeeded.
 """
 
 from __future__ import annotations
@@ -20,10 +25,24 @@ import re
 import shutil
 from pathlib import Path
 
+from grpokit import distributed
+
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_STATE = re.compile(r"^trainer_state\.rank(\d+)\.pt$")
+
+
+def rank_state_file(rank: int) -> str:
+    """Process `rank`'s trainer-state file: trainer_state.pt for rank 0 (and one-process runs)."""
+    return TRAINER_STATE if rank == 0 else f"trainer_state.rank{rank}.pt"
+
+
+def saved_world_size(directory: str | Path) -> int:
+    """How many processes wrote a checkpoint: one trainer-state file each."""
+    directory = Path(directory)
+    return 1 + sum(1 for p in directory.iterdir() if _RANK_STATE.match(p.name)) if directory.is_dir() else 1
 
 
 class CheckpointError(RuntimeError):
@@ -97,22 +116,60 @@ def verify_checkpoint(directory: str | Path) -> list[str]:
 # --------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(model, tokenizer, path: str | Path, extra=None) -> Path:
+def save_model_files(model, tokenizer, directory: Path, state_dict=None) -> None:
+    """model.safetensors + config.json + tokenizer files that from_pretrained loads; a PEFT model
+    writes its adapter (adapter_model.safetensors + adapter_config.json) instead of full weights."""
+    kwargs = {"state_dict": state_dict} if state_dict is not None else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(directory)
+
+
+def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=None, state_dict=None) -> Path:
     """Write model + tokenizer (+ `extra(tmp_dir)` for more files) to `path` atomically.
 
-    On any failure (full disk, unwritable directory) the temp directory is removed, whatever
-    was at `path` before is left as it was, and CheckpointError says what happened.
+    Under torchrun every process calls it: the weights are gathered from their shards, rank 0
+    writes them, the tokenizer and `extra`, and each process writes `rank_extra(tmp_dir)`
+    (its own trainer state). `state_dict`: the full weights when the caller has gathered them
+    already. On any failure on any process (full disk, unwritable directory)
+    the temp directory is removed, whatever was at `path` before is left as it was, and every
+    process raises a CheckpointError that says what happened.
     """
+    from grpokit.models.sharding import full_state_dict, is_sharded
+
     final = Path(path)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    try:
+    main = distributed.is_main()
+    tmp = final.with_name(f".{final.name}.tmp-{distributed.broadcast_object(os.getpid())}")
+    # Collective for sharded models: every process gathers, rank 0 keeps the tensors.
+    state = state_dict if state_dict is not None else full_state_dict(model) if is_sharded(model) else None
+    failure: BaseException | None = None
+
+    def phase(step) -> None:
+        nonlocal failure
+        if failure is None:
+            try:
+                step()
+            except Exception as err:  # OSError, or safetensors' own error wrapping one
+                failure = err
+        if not distributed.all_agree(failure is None) and failure is None:
+            failure = CheckpointError("another process could not write its part (see its message)")
+
+    def write_shared() -> None:
+        if not main:
+            return
         final.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_model_files(model, tokenizer, tmp, state)
         if extra is not None:
             extra(tmp)
+
+    def write_own() -> None:
+        if rank_extra is not None:
+            rank_extra(tmp)
+
+    def publish() -> None:
+        if not main:
+            return
         write_manifest(tmp)
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         if final.exists():
@@ -121,8 +178,18 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra=None) -> Path:
         _fsync_path(final.parent)
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
-    except Exception as err:  # OSError, or safetensors' own error wrapping one: clean up, keep the old one
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        for step in (write_shared, write_own, publish):
+            phase(step)
+    except BaseException:  # a peer died mid-save (PeerFailure), or a second signal: no half-written directory
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if failure is not None:  # clean up, keep the old one
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        err = failure
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise CheckpointError(
             f"could not write checkpoint {final}: {reason} ({type(err).__name__}); "
@@ -145,10 +212,12 @@ class CheckpointManager:
         found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def save(self, step: int, model, tokenizer, extra=None) -> Path:
-        path = save_checkpoint(model, tokenizer, self.directory / f"step-{step}", extra)
-        self._point_latest_at(path.name)
-        self._prune(keep=path)
+    def save(self, step: int, model, tokenizer, extra=None, rank_extra=None, state_dict=None) -> Path:
+        path = save_checkpoint(model, tokenizer, self.directory / f"step-{step}", extra, rank_extra, state_dict)
+        if distributed.is_main():
+            self._point_latest_at(path.name)
+            self._prune(keep=path)
+        distributed.barrier()  # no process runs ahead of a checkpoint that is not yet in place
         return path
 
     def _point_latest_at(self, name: str) -> None:

@@ -130,7 +130,8 @@ def bench(argv: list[str]) -> int:
 
         return memory_main(argv[1:])
     print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
-          "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic",
+          "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic\n"
+          "       grpokit bench memory --measure [...]        peak memory per process, full vs LoRA, 1 vs 2",
           file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 
@@ -184,29 +185,48 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.checkpoint import CheckpointError
     from grpokit.data.files import DatasetError
+    from grpokit.distributed import PeerFailure
     from grpokit.models.loading import ModelNotFound
     from grpokit.runlock import RunDirectoryLocked
     from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
-            RewardModelDataError)
+            RewardModelDataError, PeerFailure)
 
 
 def _run(args, config) -> int:
-    from grpokit import pipeline
+    """Run the command; under torchrun, in a process group (every process runs this same code)."""
+    from grpokit import distributed, pipeline
 
-    progress = not args.quiet
-    if args.command == "demo":
-        pipeline.run_demo(config, progress)
-    elif args.command == "label-steps":
-        pipeline.run_label_steps(config, args.out, progress)
-    elif args.command == "train-rm":
-        pipeline.run_train_rm(config, progress, data=args.data)
-    elif args.command == "train":
-        pipeline.run_train(config, progress, resume=args.resume, force=args.force)
-    else:
-        pipeline.run_sft(config, progress)
+    if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
+        raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
+                          "`grpokit sft` are data parallel")
+    distributed.init(config.distributed.timeout_s)
+    distributed.main_only_stdout()
+    try:
+        progress = not args.quiet
+        if args.command == "demo":
+            pipeline.run_demo(config, progress)
+        elif args.command == "label-steps":
+            pipeline.run_label_steps(config, args.out, progress)
+        elif args.command == "train-rm":
+            pipeline.run_train_rm(config, progress, data=args.data)
+        elif args.command == "train":
+            pipeline.run_train(config, progress, resume=args.resume, force=args.force)
+        else:
+            pipeline.run_sft(config, progress)
+    except BaseException as err:
+        if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
+            reason = (str(err).strip().splitlines() or [""])[0][:300]
+            print(f"grpokit: process {distributed.rank()} of {distributed.world_size()} stopped: "
+                  f"{type(err).__name__}: {reason}\n(if another process died first, its own message says why; "
+                  f"the rest stop at their next collective, within distributed.timeout_s="
+                  f"{config.distributed.timeout_s:g}s. Checkpoints already written are intact: resume with the "
+                  f"same torchrun command and --resume)", file=sys.stderr)
+        raise
+    finally:
+        distributed.shutdown()
     return 0
 
 

@@ -51,6 +51,17 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    r: int = opt(0, "LoRA rank; 0 = off (full fine-tune)")
+    alpha: float = opt(16.0, "LoRA scaling numerator: the update is (alpha / r) B A")
+    dropout: float = opt(0.0, "dropout on the LoRA branch's input")
+    target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                    "names (last part) of the linear modules that get adapters, e.g. q_proj, "
+                                    "gate_proj; ['all-linear'] = every linear layer but the LM head")
+    save_merged: bool = opt(False, "also save the merged model (base + adapter) in each checkpoint's merged/")
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = opt("", "local path or hub id of the policy; empty builds the built-in tiny model")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = opt("auto", "parameter dtype; auto = bf16 on CUDA, fp32 on CPU")
@@ -58,6 +69,19 @@ class ModelConfig:
     attn_implementation: Optional[str] = opt(None, "passed to from_pretrained, e.g. sdpa or flash_attention_2")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (off unless you trust it)")
     tiny: TinyModelConfig = opt(TinyModelConfig, "the built-in tiny model, used when name_or_path is empty")
+    lora: LoraConfig = opt(LoraConfig, "LoRA adapters through PEFT (r > 0); the reference is the base model with "
+                                       "the adapters disabled, no second copy")
+    gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward instead of keeping "
+                                              "them: less memory, about a third more compute")
+
+
+@dataclass
+class DistributedConfig:
+    fsdp: Literal["auto", "on", "off"] = opt(
+        "auto", "shard the policy, reference and critic with FSDP2: auto = when torchrun starts more than one "
+                "process; on = also with one process under torchrun")
+    timeout_s: float = opt(600.0, "seconds a collective waits for the other processes before the run stops "
+                                  "with an error (a dead peer never hangs the others)")
 
 
 @dataclass
@@ -247,6 +271,8 @@ class Config:
     iterative: IterativeConfig = opt(IterativeConfig, "iterative GRPO: refresh the reward model between iterations")
     rollout: RolloutConfig = opt(RolloutConfig, "the rollout engine that samples completions")
     eval: EvalConfig = opt(EvalConfig, "evaluation before and after RL")
+    distributed: DistributedConfig = opt(DistributedConfig, "several processes under torchrun (data parallel, "
+                                                            "FSDP2); ignored in one process")
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = opt(
         [], "experiment trackers to log every step to, beside metrics.jsonl (each an extra: pip install "
             "'grpokit[wandb]' ...)")
@@ -444,6 +470,14 @@ def validate(config: Config) -> None:
         (g.max_generation_rounds >= 1, f"grpo.max_generation_rounds must be >= 1, got {g.max_generation_rounds}"),
         (config.rollout.is_cap > 0, f"rollout.is_cap must be > 0, got {config.rollout.is_cap}"),
         (config.rollout.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {config.rollout.kv_cache_gb}"),
+        (config.model.lora.r >= 0, f"model.lora.r must be >= 0 (0 = off), got {config.model.lora.r}"),
+        (0 <= config.model.lora.dropout < 1, f"model.lora.dropout must lie in [0, 1), got {config.model.lora.dropout}"),
+        (config.model.lora.r == 0 or bool(config.model.lora.target_modules),
+         "model.lora.target_modules must name at least one module (or ['all-linear'])"),
+        (config.model.lora.r == 0 or config.iterative.iterations == 1,
+         "iterative.iterations > 1 resets pi_ref to pi_theta, which LoRA's reference (the base model under the "
+         "adapters) cannot follow: use model.lora.r=0"),
+        (config.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {config.distributed.timeout_s}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -451,10 +485,34 @@ def validate(config: Config) -> None:
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed: on a GPU machine pip install "
                           "'grpokit[vllm]'; on CPU build its own venv with `make .venv-vllm` (or use rollout.engine=hf)")
+    if config.model.lora.r > 0 and importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora.r > 0 needs peft: pip install 'grpokit[peft]'")
     try:
         check_trackers(config.report_to)  # a missing tracker package, before any model loads
     except TrackerError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_world_size(config: Config, world_size: int) -> None:
+    """Multi-process runs (torchrun): checks that need the world size, before any model loads."""
+    if world_size <= 1:
+        return
+    g = config.grpo
+    if g.prompts_per_step % world_size:
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} does not split into whole groups over {world_size} "
+            f"processes (the world size): set grpo.prompts_per_step to a multiple of {world_size}, or start "
+            f"torchrun with a --nproc_per_node that divides {g.prompts_per_step}")
+    unsupported = [
+        (g.dynamic_sampling, "grpo.dynamic_sampling"),
+        (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),
+        (config.iterative.iterations > 1, "iterative.iterations > 1"),
+        (config.rollout.engine == "vllm", "rollout.engine=vllm"),
+    ]
+    for on, key in unsupported:
+        if on:
+            raise ConfigError(f"{key} is not supported under torchrun with {world_size} processes yet; "
+                              "run it in one process")
 
 
 def to_dict(config) -> dict:
@@ -486,7 +544,7 @@ RESUME_SAFE_KEYS = (
     "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
     "grpo.generation_batch_size", "grpo.max_failed_steps", "grpo.max_nonfinite_steps", "model.device",
     "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
-    "rollout.kv_cache_gb",
+    "rollout.kv_cache_gb", "distributed.timeout_s", "model.gradient_checkpointing",
 )
 
 

@@ -2,6 +2,10 @@
 each on any checkpoint; `grpokit demo` runs the stages its preset (presets/demo.yaml) lists,
 the same code: SFT -> pi_SFT saved and reloaded through the hub loader -> RL -> the table.
 
+Under `torchrun --nproc_per_node=N -m grpokit train ...` every process runs this same code on
+its own share of each batch (train/loop.py); the models are sharded with FSDP2
+(models/sharding.py), and rank 0 alone takes the run lock and writes files.
+
 `train` evaluates the task's held-out questions before and after RL (eval.before), writes the
 before/after table (results.md), summary.json and the reward curve. With a learned reward
 (reward_model.kind), round 0 trains the reward model on pi_SFT's own samples graded by rule,
@@ -16,12 +20,14 @@ import random
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
-from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint
-from grpokit.config import Config, ConfigError, resume_differences, to_dict
+from grpokit import distributed
+from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint, saved_world_size
+from grpokit.config import Config, ConfigError, check_world_size, resume_differences, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
 from grpokit.data.reward_data import (
     pairs_from_graded,
@@ -33,6 +39,8 @@ from grpokit.data.reward_data import (
 from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.runlock import RunLock
+from grpokit.models.lora import apply_lora, is_lora, load_lora
+from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import make_engine
 from grpokit.tasks import task_for
@@ -50,13 +58,46 @@ from grpokit.train.reward_model import (
 from grpokit.train.sft import sft_train
 
 
+@contextmanager
+def run_lock(output_dir: str):
+    """The run directory's lock, taken by rank 0 alone (the other processes write nothing there);
+    when rank 0 cannot take it, every process stops."""
+    if distributed.world_size() == 1:
+        with RunLock(output_dir):
+            yield
+        return
+    lock, failure = RunLock(output_dir), None
+    if distributed.is_main():
+        try:
+            lock.__enter__()
+        except Exception as err:  # RunDirectoryLocked, or an unwritable directory
+            failure = err
+    if not distributed.all_agree(failure is None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not lock the run directory {output_dir}; see its message")
+    try:
+        yield
+    finally:
+        if distributed.is_main():
+            lock.__exit__(None, None, None)
+
+
 def run_sft(config: Config, progress: bool = True) -> Path:
-    """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations."""
+    """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations; data parallel
+    under torchrun (sft.batch_size is the global batch)."""
     check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
-    with RunLock(config.output_dir):
-        run_dir = start_run(config)
+    if config.sft.batch_size % distributed.world_size():
+        raise ConfigError(f"sft.batch_size={config.sft.batch_size} does not split over {distributed.world_size()} "
+                          f"processes (the world size): make it a multiple of {distributed.world_size()}")
+    with run_lock(config.output_dir):
+        run_dir = start_run(config, write=distributed.is_main())
         model, tokenizer = load_policy(config)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if world_sharding(config.distributed.fsdp):
+            shard_model(model)
         demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)
         if not demos:
             raise ConfigError("no SFT demonstrations: set data.sft_sources to files with worked solutions")
@@ -184,7 +225,45 @@ def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path
     checkpoint = boundary / "policy" if boundary is not None else \
         find_resume_checkpoint(config.output_dir, None if resume is True else resume)
     check_resume_config(checkpoint, config, force)
+    saved, world = saved_world_size(checkpoint), distributed.world_size()
+    if saved != world:
+        raise CheckpointError(
+            f"{checkpoint} was written by {saved} process{'es' * (saved > 1)} and this run has {world}: an exact "
+            f"resume needs the same number (torchrun --nproc_per_node={saved} ... --resume), because each "
+            f"process's optimizer shard and random streams are saved apart. To go on with {world} instead, start "
+            f"a new run from its weights: --model.name_or_path={checkpoint} (the optimizer and the data order "
+            f"start afresh)")
     return checkpoint, boundary
+
+
+def _policy_for_run(config: Config, checkpoint: Path | None):
+    """(policy, tokenizer, reference or None) for RL: model.name_or_path, or the checkpoint resumed;
+    with LoRA (model.lora.r > 0), the base model plus new or resumed adapters, and no separate
+    reference (the trainer runs the base under the adapters). None = the trainer makes the reference."""
+    lora = config.model.lora.r > 0
+    model, tokenizer = load_policy(config, None if lora or checkpoint is None else str(checkpoint))
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if lora:
+        model = apply_lora(model, config.model.lora) if checkpoint is None else load_lora(model, checkpoint)
+    elif checkpoint is not None and config.grpo.beta > 0:
+        # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
+        ref_model = frozen_copy(load_policy(config)[0])
+    return model, tokenizer, ref_model
+
+
+def _shard_for_run(config: Config, model, ref_model):
+    """FSDP2 for the policy and the frozen reference (made before sharding: a sharded model cannot be
+    copied) when distributed.fsdp asks for it; the pair to train with."""
+    if not world_sharding(config.distributed.fsdp):
+        return model, ref_model
+    if ref_model is None and config.grpo.beta > 0 and not is_lora(model):
+        ref_model = frozen_copy(model)
+    shard_model(model)
+    if ref_model is not None:
+        shard_model(ref_model)
+    return model, ref_model
 
 
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
@@ -195,16 +274,13 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
         check_sources(sources, config.data.skip_malformed_lines)
     check_reward_model_setup(config)
-    with RunLock(config.output_dir):
+    check_world_size(config, distributed.world_size())
+    with run_lock(config.output_dir):
         checkpoint, boundary = _resume_point(config, resume, force)
-        run_dir = start_run(config, fresh=checkpoint is None)
+        run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
-        if checkpoint is None:
-            model, tokenizer = load_policy(config)
-            ref_model = None
-        else:  # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
-            model, tokenizer = load_policy(config, str(checkpoint))
-            ref_model = frozen_copy(load_policy(config)[0]) if config.grpo.beta > 0 else None
+        model, tokenizer, ref_model = _policy_for_run(config, checkpoint)
+        model, ref_model = _shard_for_run(config, model, ref_model)
         data = task.data(tokenizer, sft=False)
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
@@ -216,12 +292,13 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
         stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
                                       engine)
-        seed_everything(config.seed)
+        seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None, engine=engine)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
-            print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
+            if distributed.is_main():
+                print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
         rl_started = time.perf_counter()
         start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
         try:
@@ -238,7 +315,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
             summary.update(_report(config, task, run_dir, history, before, after))
         summary["wall_seconds"] = time.perf_counter() - started
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if distributed.is_main():
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
     return summary
 
@@ -262,10 +340,11 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
     table = format_table(task, before, after, config.algo)
     print(table)
     print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
-    (run_dir / "results.md").write_text(table + "\n")
-    plot_reward_curve(history, run_dir / "reward_curve.png",
-                      title=f"grpokit {config.algo.upper()} (seed {config.seed})",
-                      baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
+    if distributed.is_main():  # every process evaluated the same questions; one writes
+        (run_dir / "results.md").write_text(table + "\n")
+        plot_reward_curve(history, run_dir / "reward_curve.png",
+                          title=f"grpokit {config.algo.upper()} (seed {config.seed})",
+                          baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
     refreshes = run_dir / "reward_model_metrics.jsonl"
     rm_rounds = [json.loads(line) for line in refreshes.read_text().splitlines()] if refreshes.is_file() else []
     out = {
@@ -338,7 +417,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
-    with RunLock(config.output_dir):
+    with run_lock(config.output_dir):
         run_dir = start_run(config)
         examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
                                          config.seed, rm.max_pairs_per_prompt) if data else None

@@ -51,10 +51,13 @@ def load_policy(config: Config, path: str | None = None):
     return model.to(resolve_device(m.device)), tokenizer
 
 
-def start_run(config: Config, fresh: bool = False) -> Path:
+def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
     """Create the run directory, save config.yaml, seed everything; a `fresh` run drops the
-    per-run logs an earlier run left there."""
+    per-run logs an earlier run left there. `write`=False (ranks other than 0) only seeds."""
     run_dir = Path(config.output_dir)
+    if not write:
+        seed_everything(config.seed)
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
         for stale in RUN_LOGS:
@@ -77,7 +80,7 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
     engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
     logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
     common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
-                  rollout_config=config.rollout)
+                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged)
     if config.algo == "ppo":
         return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
     return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)

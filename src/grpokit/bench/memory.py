@@ -1,4 +1,7 @@
-"""Analytic memory of model states under bf16 mixed precision with Adam, per model of an RL run.
+"""Memory of an RL run: analytic model-state memory of GRPO vs PPO, or, with --measure, the
+peak memory per process of real GRPO steps, full fine-tune vs LoRA, on 1 vs 2 processes.
+
+Analytic: model states under bf16 mixed precision with Adam, per model of an RL run.
 
 A trained model holds bf16 weights (2 B/param), bf16 gradients (2), an fp32 master copy (4) and
 Adam's two fp32 moments (8): 16 bytes per parameter. A frozen model (the reference, a reward
@@ -57,6 +60,57 @@ def format_table(sizes: list[float], reward_model_params: float = 0.0) -> str:
     return "\n".join(lines)
 
 
+def measure(model_args: list[str], lora_r: int, processes: list[int], timeout_s: float = 1800) -> list[dict]:
+    """Peak memory per process of a few GRPO steps (bench/memory_probe.py), measured in fresh
+    processes: full fine-tune and LoRA (rank `lora_r`), each on every count in `processes`
+    (several processes: torchrun with FSDP2). One row per setup, the largest peak over its processes."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    rows = []
+    for r in (0, lora_r):
+        for n in processes:
+            with tempfile.TemporaryDirectory() as out:
+                probe = ["-m", "grpokit.bench.memory_probe", "--out", out, "--lora-r", str(r), *model_args]
+                if n > 1:
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", 0))
+                        port = s.getsockname()[1]
+                    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                               "--master_port", str(port), *probe]
+                else:
+                    command = [sys.executable, *probe]
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+                if done.returncode != 0:
+                    raise RuntimeError(f"memory probe {' '.join(command)} failed:\n{done.stderr[-3000:]}")
+                records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+            rows.append({"setup": f"LoRA r={r}" if r else "full", "processes": n, "params": records[0]["params"],
+                         "device": records[0]["device"], "peak_bytes": max(x["peak_bytes"] for x in records),
+                         "baseline_bytes": max(x["baseline_bytes"] for x in records),
+                         "seconds": max(x["seconds"] for x in records)})
+    return rows
+
+
+def format_measured(rows: list[dict]) -> str:
+    base = next((r["peak_bytes"] for r in rows if r["setup"] == "full" and r["processes"] == 1), None)
+    lines = [f"measured peak memory per process, {rows[0]['params'] / 1e6:.2f}M parameters on {rows[0]['device']}",
+             "| setup | processes | peak per process | vs full, 1 process |", "|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['peak_bytes'] / base:.2f}" if base else "-"
+        lines.append(f"| {r['setup']} | {r['processes']} | {r['peak_bytes'] / 2**20:,.0f} MiB | {ratio} |")
+    lines.append("\nPeak over a few GRPO steps (sampling, reference log-probs, update), after the models are built "
+                 "and sharded: CUDA max_memory_allocated, or the CPU's peak resident set less the process's size "
+                 f"before any model was built ({max(r['baseline_bytes'] for r in rows) / 2**20:,.0f} MiB at most: "
+                 "Python, torch and their libraries).")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -68,7 +122,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward-model-params", type=float, default=0.0,
                         help="a learned reward model's size (0 = a rule-based verifier)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    measured = parser.add_argument_group("--measure: peak memory of real GRPO steps on a Llama of this shape "
+                                         "(default 113M parameters)")
+    measured.add_argument("--measure", action="store_true",
+                          help="measure full vs LoRA, on 1 and on 2 processes (torchrun, FSDP2), instead")
+    measured.add_argument("--hidden-size", type=int, default=768)
+    measured.add_argument("--num-layers", type=int, default=12)
+    measured.add_argument("--num-heads", type=int, default=12)
+    measured.add_argument("--intermediate-size", type=int, default=3072)
+    measured.add_argument("--lora-r", type=int, default=16)
+    measured.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    measured.add_argument("--steps", type=int, default=2, help="GRPO steps measured")
+    measured.add_argument("--max-completion-length", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.measure:
+        model_args = ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers), "--num-heads",
+                      str(args.num_heads), "--intermediate-size", str(args.intermediate_size), "--steps",
+                      str(args.steps), "--max-completion-length", str(args.max_completion_length)]
+        rows = measure(model_args, args.lora_r, args.processes)
+        print(format_measured(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     print(format_table(args.params, args.reward_model_params))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,7 +19,15 @@ def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Mod
     config.problem_type = "regression"
     config.classifier_dropout = 0.0  # scores must not be noisy; HF's default would be 0.1
     model = auto_class.from_config(config).to(device=device, dtype=next(policy.parameters()).dtype)
-    missing, _ = model.load_state_dict(policy.state_dict(), strict=False)  # the LM head is not carried over
+    from grpokit.models.lora import is_lora, merged_state_dict
+    from grpokit.models.sharding import full_state_dict
+
+    # a sharded policy's weights are gathered (on every process: each builds its own critic);
+    # a LoRA policy's are merged into the base model's names
+    state = full_state_dict(policy, everywhere=True)
+    if is_lora(policy):
+        state = merged_state_dict(policy, state)
+    missing, _ = model.load_state_dict(state, strict=False)  # the LM head is not carried over
     backbone_missing = [k for k in missing if not k.startswith("score.")]
     if backbone_missing:
         raise ValueError(f"cannot initialise a {model.__class__.__name__} from the policy: backbone weights "

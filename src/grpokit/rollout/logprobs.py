@@ -9,8 +9,9 @@ N x (P + T) x vocab logits. When gradients are on, each tile runs under activati
 checkpointing: backward recomputes that tile's logits rather than every tile keeping its own,
 and builds the tile's gradient, onehot(target) - softmax, in a single buffer.
 
-Other models run their own forward (asking for the last T + 1 logits only, where the forward
-accepts `logits_to_keep`) and their logits go through the same tiles.
+Other models, and models sharded with FSDP2 (whose root must run its own forward to gather
+the embeddings and the head), run their own forward (asking for the last T + 1 logits only,
+where the forward accepts `logits_to_keep`) and their logits go through the same tiles.
 """
 
 from __future__ import annotations
@@ -109,12 +110,20 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
+    if _is_fsdp(model):  # its root gathers the embeddings and head in its own forward only
+        return None
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         return None
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     if decoder is model or not isinstance(head, torch.nn.Module):
         return None
     return decoder, head, getattr(config, "final_logit_softcapping", None)
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    from grpokit.models.sharding import is_sharded
+
+    return is_sharded(model)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from grpokit.config import GRPOConfig
 from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantages
+from grpokit.models.lora import as_module
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.rollout import token_logprobs
@@ -25,10 +26,11 @@ __all__ = ["GRPO", "GRPOTrainer", "NonFiniteTraining", "RewardFailure", "frozen_
 
 
 def policy_logprobs(trainer: Trainer, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-    """[N, T] log-probs of the rollout's completions under `model` (no gradient), on the policy's device."""
+    """[N, T] log-probs of the rollout's completions under `model` (no gradient), on the policy's device.
+    `model` may be a LoRA policy's reference: the policy with its adapters disabled."""
     cfg = trainer.config
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+    with torch.no_grad(), as_module(model) as module:
+        logp, _ = token_logprobs(module, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
                                  cfg.temperature, cfg.micro_batch_size)
     return logp.to(trainer.device)
 

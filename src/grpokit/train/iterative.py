@@ -150,7 +150,8 @@ def save_iteration(trainer, stage: RewardModelStage, k: int) -> Path:
     so a directory without it is an incomplete boundary and is ignored on resume."""
     directory = trainer.run_dir / "iterations" / f"iter-{k}"
     directory.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(trainer.model, trainer.tokenizer, directory / "policy", extra=trainer._write_extra_files)
+    save_checkpoint(trainer.model, trainer.tokenizer, directory / "policy", extra=trainer._write_extra_files,
+                    rank_extra=trainer._write_rank_state)
     stage.save(directory / "reward_model")
     shutil.copyfile(stage.buffer.path, directory / "replay_buffer.jsonl")
     tmp = directory / (STATE_FILE + ".tmp")

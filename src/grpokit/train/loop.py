@@ -7,6 +7,12 @@ its advantages, its loss, and any model of its own (PPO's critic).
 
 Device discipline: the engine may return tensors anywhere; the rollout and the rewards move
 to the policy's device once, here, and every tensor a step creates lives there.
+
+Several processes (torchrun): grpo.prompts_per_step stays the global batch B. Every process
+draws the same prompt order from the same seed and takes its own contiguous B / W whole groups,
+so advantages need no communication. The counts the loss divides by are summed over processes
+before backward, gradients are summed by FSDP2 (models/sharding.py), and the metrics row is
+reduced over processes; rank 0 alone writes metrics, trackers, progress bars and checkpoints.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grpokit.checkpoint import TRAINER_STATE, CheckpointManager
+from grpokit import distributed
+from grpokit.checkpoint import CheckpointManager, rank_state_file
 from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, truncate_metrics
+from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
+from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
+                                     local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.scoring import row_columns
 from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, request_seeds
@@ -44,6 +54,9 @@ class NonFiniteTraining(FloatingPointError):
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    if is_sharded(model):
+        raise ValueError("a sharded (FSDP2) policy cannot be copied into a reference: make the frozen copy "
+                         "before sharding and pass it as ref_model, sharded the same way")
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
@@ -59,6 +72,25 @@ def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: in
     r = torch.where(valid, rewards, torch.nan).view(-1, group_size)
     spread = torch.nan_to_num(r.nan_to_num(-torch.inf).amax(1) - r.nan_to_num(torch.inf).amin(1), nan=0.0)
     return float(((spread <= 0) | (valid.view(-1, group_size).sum(1) < 2)).float().mean())
+
+
+# Metrics rows are means over processes, except these, which add up or take the maximum.
+SUMMED_METRICS = ("rewards/failed", "rewards/timeouts", "perf/tokens_per_s")
+MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s",
+                 "perf/scoring_time_s", "perf/logprob_time_s", "perf/update_time_s", "rollout/sync_time_s")
+
+
+class _NullWriter:
+    """metrics.jsonl on ranks other than 0: rank 0 writes the reduced row."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def write(self, record: dict) -> None:
+        pass
 
 
 class Algorithm:
@@ -109,6 +141,7 @@ class Trainer:
         engine: RolloutEngine | None = None,
         logger: MetricsLogger | None = None,
         rollout_config: RolloutConfig | None = None,
+        save_merged: bool = False,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
@@ -119,12 +152,22 @@ class Trainer:
             raise ValueError("GRPO needs a reward: rule-based functions under `rewards`, a reward model, or both")
         self.model, self.tokenizer, self.rewards = model, tokenizer, rewards
         self.device = model_device(model)
-        self.dataset, self.config, self.progress = dataset, config, progress
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        if config.prompts_per_step % self.world_size:
+            raise ValueError(f"grpo.prompts_per_step={config.prompts_per_step} does not split into whole groups "
+                             f"over {self.world_size} processes; make it a multiple of the world size")
+        self.dataset, self.config = dataset, config
+        self.progress = progress and distributed.is_main()
         self.run_dir = Path(run_dir)
-        self.ref_model = ref_model if ref_model is not None else (frozen_copy(model) if config.beta > 0 else None)
+        if ref_model is None and config.beta > 0:  # LoRA: the base model under the adapters, no copy
+            ref_model = AdapterDisabledReference(model) if is_lora(model) else frozen_copy(model)
+        self.ref_model = ref_model
+        self.save_merged = save_merged and is_lora(model)  # checkpoints also hold merged/ (base + adapter)
+        self._gathered: dict | None = None
         self.engine = engine if engine is not None else HFEngine(model, tokenizer)
         self.rollout_config = rollout_config or RolloutConfig()
-        self.logger = logger or NullLogger()  # experiment trackers (report_to); metrics.jsonl is always written
+        # experiment trackers (report_to); metrics.jsonl is always written, by rank 0
+        self.logger = (logger or NullLogger()) if distributed.is_main() else NullLogger()
         self.optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
         self.scheduler = warmup_constant(self.optimizer, config.warmup_steps)
         self.rng = random.Random(seed)
@@ -156,8 +199,8 @@ class Trainer:
         saved_at = None
         bar = tqdm(total=until, initial=self.global_step, desc=self.algorithm.name, disable=not self.progress,
                    dynamic_ncols=True)
-        with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, \
-                MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else _NullWriter()
+        with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:
                 record = {**(extra_metrics or {}), **self.step()}
                 history.append(record)
@@ -165,9 +208,11 @@ class Trainer:
                 self.logger.log(record, step=self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}")
-                if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stop.requested:
+                # A signal may reach the processes at different steps: all stop at the first one's.
+                stopping = distributed.any_process(stop.requested)
+                if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stopping:
                     saved_at = self.save_checkpoint()
-                if stop.requested:
+                if stopping:
                     self.interrupted = True
                     print(f"grpokit: stopped after step {self.global_step}; checkpoint {saved_at}\n"
                           f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume", file=sys.stderr)
@@ -185,8 +230,10 @@ class Trainer:
         rollout, loss_mask = self.on_policy_device(rollout, result)
         stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
         t = time.perf_counter()
-        self.engine.sync_weights(self.model)  # the next step samples from the updated policy
-        if not isinstance(self.engine, HFEngine):  # generate samples from the live policy: nothing to copy
+        if isinstance(self.engine, HFEngine):  # generate samples from the live policy: nothing to copy
+            self.engine.sync_weights(self.model)
+        else:  # the next step samples from the updated policy
+            self.engine.sync_weights(self.model, state_dict=self.engine_weights())
             timings["rollout/sync_time_s"] = time.perf_counter() - t
         self.global_step += 1
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
@@ -219,7 +266,15 @@ class Trainer:
             **timings,
             "lr": self.scheduler.get_last_lr()[0],
         }
-        return record
+        return distributed.reduce_metrics(record, SUMMED_METRICS, MAXED_METRICS)
+
+    def engine_weights(self) -> dict | None:
+        """What a separate engine loads after each update: None (the model's own state dict) for a
+        plain policy; the gathered full weights, on every process, for a sharded one; the merged
+        weights (base + adapter) for a LoRA policy."""
+        if is_lora(self.model):
+            return merged_state_dict(self.model, full_state_dict(self.model, everywhere=True))
+        return full_state_dict(self.model, everywhere=True) if is_sharded(self.model) else None
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """B groups of G completions, scored. With grpo.dynamic_sampling (DAPO), groups whose
@@ -228,15 +283,19 @@ class Trainer:
         cfg, g = self.config, self.config.num_generations
         kept, parts, rounds, sampled = 0, [], 0, 0
         while True:
+            # The same global draw on every process; each samples its own contiguous whole groups.
             rows = self._next_rows(cfg.prompts_per_step - kept)
+            local = len(rows) // self.world_size
+            first = sampled + self.rank * local
+            rows = rows[self.rank * local : (self.rank + 1) * local]
             t = time.perf_counter()
-            seeds = request_seeds(self.seed, self.global_step, list(range(sampled, sampled + len(rows))), g)
+            seeds = request_seeds(self.seed, self.global_step, list(range(first, first + len(rows))), g)
             rollout = self.engine.generate([r["prompt"] for r in rows], g, self.sampling, rows, seeds)
             timings["perf/rollout_time_s"] += time.perf_counter() - t
             t = time.perf_counter()
             result = self._score(rollout)
             timings["perf/scoring_time_s"] += time.perf_counter() - t
-            rounds, sampled = rounds + 1, sampled + len(rows)
+            rounds, sampled = rounds + 1, sampled + len(rows) * self.world_size
             if not cfg.dynamic_sampling:
                 return rollout, result, {}
             spread = groups_with_spread(result.total, result.valid, g)
@@ -272,39 +331,53 @@ class Trainer:
         over (tokens when token_weighted, else what grpo.loss_aggregation names; see
         math.loss_denominator), and tensors to add up for the log. Summed over micro-batches
         the losses are exactly the minibatch's loss. A non-finite loss or gradient skips the
-        optimizer step: no NaN reaches the weights. Returns (summed log values, skipped steps)."""
+        optimizer step: no NaN reaches the weights. Returns (summed log values, skipped steps).
+
+        Several processes: `total` is the count over every process's rows of the minibatch
+        (each process holds its own rows), so each back-propagates sum_local / global count and
+        the summed gradients are the whole minibatch's. Skips are agreed by all processes, and
+        the log sums come back summed over processes."""
         cfg = self.config
         aggregation = "token" if token_weighted else cfg.loss_aggregation
         totals: dict[str, float] = {}
+        steps: dict[str, float] = {}
         skipped = 0
+        lockstep = self.world_size > 1  # every process makes the same forward/backward calls
         model.train()
         for epoch in range(cfg.num_iterations):
             for minibatch in torch.randperm(loss_mask.shape[0]).chunk(cfg.num_minibatches):
                 minibatch = minibatch.to(loss_mask.device)
-                total = loss_denominator(loss_mask[minibatch], aggregation)
-                if total == 0 or loss_mask[minibatch].sum() == 0:
-                    continue  # every sample of this minibatch failed its reward
+                counts = distributed.all_reduce_sum(torch.tensor(
+                    [loss_denominator(loss_mask[minibatch], aggregation), float(loss_mask[minibatch].sum())],
+                    dtype=torch.float64))
+                total, tokens = float(counts[0]), float(counts[1])
+                if total == 0 or tokens == 0:
+                    continue  # every sample of this minibatch failed its reward, on every process
                 optimizer.zero_grad(set_to_none=True)
                 finite = True
                 for micro in minibatch.split(cfg.micro_batch_size):
                     loss, sums = micro_loss(micro, epoch, total)
                     if not torch.isfinite(loss):
                         finite = False  # one bad micro-batch poisons the minibatch: skip it whole
-                        break
-                    loss.backward()
+                        if not lockstep:
+                            break
+                    loss.backward()  # in lockstep even a NaN loss: the others' backward waits for ours
                     for key, value in sums.items():
                         totals[key] = totals.get(key, 0.0) + float(value)
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if finite else None
+                finite = distributed.all_agree(finite)
+                norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)) \
+                    if finite else None
                 if norm is None or not torch.isfinite(norm):
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
-                totals["grad_norm_sum"] = totals.get("grad_norm_sum", 0.0) + float(norm)
-                totals["optimizer_steps"] = totals.get("optimizer_steps", 0.0) + 1
+                steps["grad_norm_sum"] = steps.get("grad_norm_sum", 0.0) + float(norm)
+                steps["optimizer_steps"] = steps.get("optimizer_steps", 0.0) + 1
                 optimizer.step()
                 scheduler.step()
         model.eval()
-        return totals, skipped
+        # grad norms and steps are already global (the same on every process); the rest adds up
+        return {**distributed.sum_dict(totals), **steps}, skipped
 
     # ------------------------------------------------------------------ stages
 
@@ -319,7 +392,8 @@ class Trainer:
             n = rollout.num_samples
             return RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
         result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows))
-        failed_everywhere = set(result.all_failed())
+        local_failures = set(result.all_failed())
+        failed_everywhere = {r.name for r in self.rewards if distributed.all_agree(r.name in local_failures)}
         for name in self._failed_streak:
             self._failed_streak[name] = self._failed_streak[name] + 1 if name in failed_everywhere else 0
             if self._failed_streak[name] >= self.config.max_failed_steps:
@@ -331,16 +405,21 @@ class Trainer:
 
     def reset_reference(self) -> None:
         """pi_ref <- pi_theta, as iterative GRPO does at the start of each iteration (Algorithm 1)."""
+        if isinstance(self.ref_model, AdapterDisabledReference):
+            raise ValueError("iterative GRPO resets pi_ref to pi_theta, which LoRA's reference (the base model "
+                             "under the adapters) cannot follow; use a full fine-tune (model.lora.r=0)")
         if self.ref_model is not None:
             self.ref_model.load_state_dict(self.model.state_dict())
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """What an exact resume needs besides the weights."""
+        """What an exact resume needs besides the weights: this process's part (optimizer shards,
+        RNG streams); the data order and step are the same on every process."""
         return {
             "global_step": self.global_step,
-            "optimizer": self.optimizer.state_dict(),
+            "world_size": self.world_size,
+            "optimizer": local_tensors(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "sampler": {"rng": self.rng.getstate(), "order": torch.tensor(self._order, dtype=torch.int64)},
             "failed_streak": dict(self._failed_streak),
@@ -351,7 +430,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step = int(state["global_step"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rng.setstate(train_state.as_tuple(state["sampler"]["rng"]))
         self._order = state["sampler"]["order"].tolist()
@@ -361,19 +440,37 @@ class Trainer:
         train_state.restore_rng(state["rng"])
 
     def save_checkpoint(self) -> Path:
-        """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it."""
-        return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files)
+        """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it.
+        Every process calls it: rank 0 writes the gathered weights, each process its own state."""
+        before_save = getattr(self.algorithm, "before_save", None)
+        if before_save is not None:
+            before_save()  # gathers what the algorithm saves (collective under FSDP2)
+        # the full weights, gathered once (collective under FSDP2; on rank 0)
+        self._gathered = full_state_dict(self.model) if is_sharded(self.model) or self.save_merged else None
+        try:
+            return self.checkpoints.save(self.global_step, self.model, self.tokenizer, self._write_extra_files,
+                                         rank_extra=self._write_rank_state, state_dict=self._gathered)
+        finally:
+            self._gathered = None
 
     def _write_extra_files(self, directory: Path) -> None:
-        """Everything besides the policy that goes into a checkpoint."""
+        """Everything besides the policy that goes into a checkpoint (rank 0)."""
         self.algorithm.save_files(directory)
-        train_state.save_state(self.state_dict(), directory / TRAINER_STATE)
+        if self.save_merged:  # the merged model, loadable with from_pretrained alone
+            self.model.get_base_model().save_pretrained(directory / "merged", safe_serialization=True,
+                                                        state_dict=merged_state_dict(self.model, self._gathered))
+            self.tokenizer.save_pretrained(directory / "merged")
         if (self.run_dir / "config.yaml").is_file():
             shutil.copyfile(self.run_dir / "config.yaml", directory / "config.yaml")
+
+    def _write_rank_state(self, directory: Path) -> None:
+        """This process's trainer state: trainer_state.pt on rank 0, trainer_state.rank{r}.pt on rank r."""
+        train_state.save_state(self.state_dict(), directory / rank_state_file(self.rank))
 
     def resume_from(self, checkpoint: str | Path) -> None:
         """Restore trainer state from `checkpoint` (the weights are loaded by the caller) and drop
         metrics rows logged after it, so the log continues exactly where the state does."""
         self.algorithm.load_files(Path(checkpoint))
-        self.load_state_dict(train_state.load_state(Path(checkpoint) / TRAINER_STATE))
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.global_step)
+        self.load_state_dict(train_state.load_state(Path(checkpoint) / rank_state_file(self.rank)))
+        if distributed.is_main():
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.global_step)

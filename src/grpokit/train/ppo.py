@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from grpokit import distributed
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.math import gae_advantages, kl_k3, value_loss
+from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_state_dict, load_optimizer_state,
+                                     local_tensors, shard_model)
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import RewardResult
 from grpokit.train.grpo import policy_logprobs, update_policy
@@ -42,11 +45,13 @@ def shaped_token_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp:
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries; zero outside the mask."""
+    """(x - mean) / std over the masked entries; zero outside the mask. Under torchrun the mean
+    and std are those of every process's entries together, so the result does not depend on
+    how the batch is split."""
     m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
-    var = ((x - mean).pow(2) * m).sum() / (n - 1).clamp(min=1)
+    n = distributed.all_reduce_sum(m.sum()).clamp(min=1)
+    mean = distributed.all_reduce_sum((x * m).sum()) / n
+    var = distributed.all_reduce_sum(((x - mean).pow(2) * m).sum()) / (n - 1).clamp(min=1)
     return (x - mean) / (var.sqrt() + eps) * m
 
 
@@ -73,6 +78,9 @@ class PPO(Algorithm):
         # PPO needs pi_ref whenever beta > 0 (the KL is in the reward), exactly like GRPO.
         if self.critic is None:
             self.critic = build_critic(trainer.model, self.ppo.critic_init)
+        if is_sharded(trainer.model) and not is_sharded(self.critic):
+            self.critic = shard_model(self.critic)  # the critic is sharded like the policy
+        self._critic_state = None
         self.critic.eval()  # no dropout in value estimates; gradients flow all the same
         self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, self.config.weight_decay)
         self.critic_scheduler = warmup_constant(self.critic_optimizer, self.config.warmup_steps)
@@ -139,21 +147,27 @@ class PPO(Algorithm):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        return {"critic_optimizer": self.critic_optimizer.state_dict(),
+        return {"critic_optimizer": local_tensors(self.critic_optimizer.state_dict()),
                 "critic_scheduler": self.critic_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        load_optimizer_state(self.critic_optimizer, state["critic_optimizer"])
         self.critic_scheduler.load_state_dict(state["critic_scheduler"])
 
+    def before_save(self) -> None:
+        """Gather a sharded critic's weights (every process calls this; rank 0 keeps them)."""
+        self._critic_state = full_state_dict(self.critic) if is_sharded(self.critic) else None
+
     def save_files(self, directory: Path) -> None:
-        self.critic.save_pretrained(directory / CRITIC_DIR, safe_serialization=True)
+        kwargs = {"state_dict": self._critic_state} if self._critic_state is not None else {}
+        self.critic.save_pretrained(directory / CRITIC_DIR, safe_serialization=True, **kwargs)
+        self._critic_state = None
 
     def load_files(self, directory: Path) -> None:
         weights = directory / CRITIC_DIR / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"{directory} has no {CRITIC_DIR}/ weights: it was not written by a PPO run")
-        self.critic.load_state_dict(load_file(weights))
+        load_full_state_dict(self.critic, load_file(weights))
 
 
 class PPOTrainer(Trainer):

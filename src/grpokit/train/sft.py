@@ -1,4 +1,8 @@
-"""Supervised fine-tuning: next-token loss on the completion only, producing pi_SFT."""
+"""Supervised fine-tuning: next-token loss on the completion only, producing pi_SFT.
+
+Under torchrun each process takes its own share of every batch (sft.batch_size stays the
+global batch) and divides its summed token loss by the batch's token count over all
+processes, so the summed gradients (FSDP2) are those of the whole batch in one process."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import random
 import torch
 from tqdm.auto import tqdm
 
+from grpokit import distributed
 from grpokit.config import SFTConfig
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
@@ -39,6 +44,11 @@ def collate(batch: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.
 def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConfig, seed: int = 0,
               progress: bool = True) -> list[float]:
     """Train `model` in place on (prompt, completion) pairs; returns the loss of every step."""
+    world, rank = distributed.world_size(), distributed.rank()
+    if config.batch_size % world:
+        raise ValueError(f"sft.batch_size={config.batch_size} does not split over {world} processes (the world "
+                         f"size): make it a multiple of {world}")
+    local = config.batch_size // world
     data = tokenize_examples(tokenizer, examples)
     device = next(model.parameters()).device
     optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
@@ -47,21 +57,28 @@ def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConf
     order: list[int] = []
     losses = []
     model.train()
-    bar = tqdm(range(config.max_steps), desc="sft", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(config.max_steps), desc="sft", disable=not progress or not distributed.is_main(),
+               dynamic_ncols=True)
     for _ in bar:
         if len(order) < config.batch_size:
             order += rng.sample(range(len(data)), len(data))  # epochs of shuffled examples
-        batch = collate([data[i] for i in order[: config.batch_size]], tokenizer.pad_token_id)
+        mine = order[: config.batch_size][rank * local : (rank + 1) * local]  # the same draw everywhere
+        batch = collate([data[i] for i in mine], tokenizer.pad_token_id)
         del order[: config.batch_size]
-        out = model(**{k: v.to(device) for k, v in batch.items()})
-        if not torch.isfinite(out.loss):
-            raise FloatingPointError(f"SFT loss became {out.loss.item()} at step {len(losses)}; lower sft.learning_rate")
+        inputs = {k: v.to(device) for k, v in batch.items()}
+        if world > 1:  # sum of this process's token losses / the whole batch's token count
+            count = distributed.all_reduce_sum((batch["labels"][:, 1:] != -100).sum())
+            inputs["num_items_in_batch"] = count.to(device)
+        out = model(**inputs)
+        loss = distributed.all_reduce_sum(out.loss.detach())  # the whole batch's mean token loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SFT loss became {loss.item()} at step {len(losses)}; lower sft.learning_rate")
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses

@@ -1,0 +1,199 @@
+"""Processes under torchrun: init, rank, world size, and the few collectives the loop needs.
+
+In one process (no torchrun, WORLD_SIZE unset or 1) every function here is a no-op that
+returns its input, so the training loop reads the same either way. Under
+`torchrun --nproc_per_node=N -m grpokit ...` each process trains on its own whole groups of
+the global batch; the loss counts are summed over processes before backward (docs/algorithm.md,
+"the same loss on any number of processes"), and rank 0 alone writes files.
+
+Backend: nccl when CUDA is visible, gloo on the CPU. Every collective has a deadline
+(`timeout_s`): when a peer dies, the others raise instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import sys
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed or timed out: another process died or stopped answering."""
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces (1 without it); readable before init, so config checks
+    can use it before any model loads."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun) set up a process group to join."""
+    return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+    even of one process (FSDP2 needs a group); True when joined. Without a launcher, or when
+    already joined, nothing happens."""
+    if is_initialized():
+        return True
+    if not launched():
+        return False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+def shutdown() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0")) if is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """Where collectives' tensors live: this process's GPU under nccl, else the CPU."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def process_seed(seed: int) -> int:
+    """This process's seed for torch's global RNG (which transformers' generate samples from):
+    the run's seed on rank 0, so one process reproduces a single-process run, and a distinct
+    stream derived from (seed, rank) on every other rank."""
+    r = rank()
+    if r == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/rank/{r}".encode(), digest_size=4).digest(), "little")
+
+
+def _collective(op, what: str):
+    """Run a collective; a dead or silent peer becomes a PeerFailure that says so."""
+    try:
+        return op()
+    except (RuntimeError, dist.DistError) as err:
+        raise PeerFailure(
+            f"rank {rank()} of {world_size()}: {what} failed ({type(err).__name__}: {str(err)[:300]}); another "
+            "process probably died or stopped answering, see its own message. The last checkpoint is intact: "
+            "resume it with the same number of processes and --resume"
+        ) from err
+
+
+def all_reduce_sum(value):
+    """Sum of a count (a float, an int or a tensor) over all processes; the same value in one process."""
+    if not is_initialized():
+        return value
+    if isinstance(value, torch.Tensor):
+        out = value.detach().to(device(), copy=True)
+        _collective(lambda: dist.all_reduce(out), "all_reduce(sum)")
+        return out.to(value.device)
+    out = torch.tensor(float(value), dtype=torch.float64, device=device())
+    _collective(lambda: dist.all_reduce(out), "all_reduce(sum)")
+    return type(value)(out.item()) if isinstance(value, int) and not isinstance(value, bool) else out.item()
+
+
+def all_agree(flag: bool) -> bool:
+    """True when `flag` holds on every process (a logical AND over processes)."""
+    if not is_initialized():
+        return bool(flag)
+    out = torch.tensor(1 if flag else 0, dtype=torch.int64, device=device())
+    _collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.MIN), "all_reduce(min)")
+    return bool(out.item())
+
+
+def any_process(flag: bool) -> bool:
+    """True when `flag` holds on at least one process."""
+    return not all_agree(not flag)
+
+
+def sum_dict(values: Mapping[str, float]) -> dict[str, float]:
+    """Each value summed over processes, in one collective. Every process must pass the same keys."""
+    if not is_initialized() or not values:
+        return dict(values)
+    keys = sorted(values)
+    out = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device())
+    _collective(lambda: dist.all_reduce(out), "all_reduce(sum)")
+    return dict(zip(keys, out.tolist()))
+
+
+def reduce_metrics(record: Mapping, sums: Iterable[str] = (), maxes: Iterable[str] = ()) -> dict:
+    """A metrics row reduced over processes: the mean of each number, except the keys in `sums`
+    (counts, throughputs) and `maxes` (maxima, wall times), which are summed or maxed. Other
+    values are rank 0's. Every process must pass the same keys."""
+    if not is_initialized():
+        return dict(record)
+    sums, maxes = set(sums), set(maxes)
+    numeric = sorted(k for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    added = [k for k in numeric if k not in maxes]
+    maxed = [k for k in numeric if k in maxes]
+    out = dict(record)
+    if added:
+        t = torch.tensor([float(record[k]) for k in added], dtype=torch.float64, device=device())
+        _collective(lambda: dist.all_reduce(t), "all_reduce(metrics)")
+        for k, v in zip(added, t.tolist()):
+            out[k] = v if k in sums else v / world_size()
+    if maxed:
+        t = torch.tensor([float(record[k]) for k in maxed], dtype=torch.float64, device=device())
+        _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), "all_reduce(max)")
+        out.update(zip(maxed, t.tolist()))
+    for k in numeric:  # counts stay integers
+        if isinstance(record[k], int) and (k in sums or k in maxes or k == "step"):
+            out[k] = int(round(out[k]))
+    return out
+
+
+def barrier() -> None:
+    if is_initialized():
+        _collective(dist.barrier, "barrier")
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every process."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    _collective(lambda: dist.broadcast_object_list(box, src=0), "broadcast")
+    return box[0]
+
+
+def main_only_stdout() -> None:
+    """Silence stdout on ranks other than 0, so a run prints its tables once; errors (stderr) stay."""
+    if is_initialized() and not is_main():
+        sys.stdout = open(os.devnull, "w")

@@ -1,0 +1,102 @@
+"""LoRA through PEFT: the policy trains low-rank adapters, and its reference is the same base
+model with the adapters switched off (`PeftModel.disable_adapter()`), so no second copy of the
+weights exists.
+
+A LoRA checkpoint holds the adapter in PEFT's format (adapter_model.safetensors +
+adapter_config.json, loadable with PeftModel.from_pretrained over the base model) and, on
+request (model.lora.save_merged), the merged model W + (alpha / r) B A in merged/, which
+from_pretrained loads alone. A separate engine (vLLM) receives the merged weights.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpokit.config import ConfigError, LoraConfig
+
+ALL_LINEAR = "all-linear"
+ADAPTER_NAME = "default"
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what target_modules may name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name})
+
+
+def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+    """`model` wrapped with fresh LoRA adapters on config.target_modules (B = 0: the policy starts
+    exactly at the base model). A target that names no linear layer is an error listing them."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = list(config.target_modules)
+    if targets != [ALL_LINEAR]:
+        names = linear_module_names(model)
+        unmatched = [t for t in targets if t not in names]
+        if unmatched:
+            raise ConfigError(
+                f"model.lora.target_modules {unmatched} match no linear module of this "
+                f"{getattr(model.config, 'model_type', type(model).__name__)} model; its linear modules are: "
+                f"{', '.join(names)} (or use ['{ALL_LINEAR}'])")
+    peft_config = PeftLoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                                 target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
+                                 task_type="CAUSAL_LM")
+    return get_peft_model(model, peft_config)
+
+
+def load_lora(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:
+    """`model` (the base) with the trainable adapter saved in `adapter_dir`."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+
+
+class AdapterDisabledReference:
+    """pi_ref for a LoRA policy: the policy itself, run with its adapters disabled. Not a module:
+    it owns no weights; `active()` yields the model to run as the reference."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+
+    @contextmanager
+    def active(self):
+        with self.policy.disable_adapter():
+            yield self.policy
+
+
+@contextmanager
+def as_module(ref):
+    """The module that computes `ref`'s log-probs: a plain (frozen) model as it is, or a LoRA
+    policy with its adapters disabled for the duration."""
+    if isinstance(ref, AdapterDisabledReference):
+        with ref.active() as model:
+            yield model
+    else:
+        yield ref
+
+
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's weights from a PEFT model's full state dict: each adapted weight becomes
+    W + (alpha / r) B A, and names lose PEFT's prefixes (as the base model names them)."""
+    config = model.peft_config[ADAPTER_NAME]
+    scale = config.lora_alpha / (config.r ** 0.5 if getattr(config, "use_rslora", False) else config.r)
+    prefix = "base_model.model."
+    merged = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix(prefix).replace(".base_layer.", ".")
+        stem = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
+        a, b = (state.get(f"{stem}.lora_{x}.{ADAPTER_NAME}.weight") for x in ("A", "B")) if stem else (None, None)
+        if a is not None and b is not None and key.endswith(".base_layer.weight"):
+            value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
+        merged[name] = value
+    return merged

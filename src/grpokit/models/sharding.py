@@ -1,0 +1,126 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) for the policy, the reference and PPO's critic.
+
+Each decoder layer is its own FSDP unit and the root holds the rest (embeddings, final norm,
+LM head), so a forward all-gathers one layer at a time. Gradients are summed over processes,
+not averaged: each process back-propagates sum_local / global count (docs/algorithm.md, "the
+same loss on any number of processes"), and the sum of those is the whole batch's gradient.
+On CUDA a MixedPrecisionPolicy computes in bf16 and reduces gradients in fp32.
+
+A sharded model runs forward, backward and `generate` like the plain one, but every process
+must make the same calls in the same order (each forward all-gathers). Its state dict holds
+DTensor shards: `full_state_dict` gathers the plain tensors a Hugging Face checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from grpokit import distributed
+
+LAYER_LIST_NAMES = ("layers", "h", "blocks")
+
+
+def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
+    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(fsdp_root(model), FSDPModule)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the first ModuleList named layers / h / blocks (Llama, Qwen2, GPT-2
+    style; also inside a PEFT wrapper or a token-classification critic)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LIST_NAMES and len(module):
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no ModuleList named {' / '.join(LAYER_LIST_NAMES)} to shard "
+                     "layer by layer; FSDP2 needs the decoder blocks")
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each decoder layer and the root (see fsdp_root), in place; gradients summed
+    over processes."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda \
+        else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(fsdp_root(model), mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum: the loss already divides by the global count
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; plain SUM everywhere
+    return model
+
+
+def full_state_dict(model: torch.nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """The plain (unsharded) state dict, on the CPU. Collective for a sharded model: every
+    process must call it; the tensors come back on rank 0 only unless `everywhere`."""
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.cpu() for k, v in state.items()} if everywhere else state
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a plain state dict (every process holds the same one) into a plain or sharded model."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def local_tensors(obj):
+    """`obj` with every DTensor replaced by this process's shard: what torch.save stores per rank
+    (weights_only loading cannot rebuild a DTensor's device mesh)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, dict):
+        return {k: local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """optimizer.load_state_dict for a state saved by `local_tensors`: each per-parameter tensor
+    that holds a shard is wrapped back into a DTensor laid out like its parameter."""
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                        and value.shape == p.to_local().shape and value.dim() > 0:
+                    optimizer.state[p][key] = DTensor.from_local(value, p.device_mesh, p.placements,
+                                                                 run_check=False, shape=p.shape, stride=p.stride())
+
+
+def grad_norm_value(norm) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor (a DTensor over sharded parameters)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def world_sharding(config_fsdp: str) -> bool:
+    """Whether to shard: distributed.fsdp 'on', or 'auto' in a multi-process run."""
+    if config_fsdp == "on" and not distributed.is_initialized():
+        from grpokit.config import ConfigError
+
+        raise ConfigError("distributed.fsdp=on needs a process group: start the run with torchrun "
+                          "(torchrun --nproc_per_node=1 -m grpokit ... for one process)")
+    return config_fsdp == "on" or (config_fsdp == "auto" and distributed.world_size() > 1)

@@ -1,0 +1,336 @@
+"""Several processes (torchrun, FSDP2 on gloo): the loss, and so the update, does not depend on
+the number of processes (docs/algorithm.md, "the same loss on any number of processes").
+
+The equivalence test takes one fixed batch of rollouts (same prompts, completions, rewards;
+uneven completion lengths; one failed-reward row, whose mask is all zero), makes one SGD step
+on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for each aggregation
+(and for a LoRA policy, whose reference is its base model with the adapters disabled).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from grpokit import distributed
+from grpokit.checkpoint import saved_world_size
+from grpokit.config import Config, ConfigError, GRPOConfig, LoraConfig, check_world_size
+from grpokit.data import arithmetic
+from grpokit.math import masked_outcome_advantages
+from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.rewards import WeightedReward
+from grpokit.rollout import SamplingParams, sample_groups
+from grpokit.train.grpo import GRPOTrainer, frozen_copy, update_policy
+
+AGGREGATIONS = ("sequence", "token", "constant")
+G, PROMPTS, WORLD = 4, 4, 2
+FAILED_ROW = 13  # in the second process's half: the two halves have different counts
+
+
+def tiny(tokenizer):
+    return build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+
+
+def fixed_batch():
+    """(rows, rollout, rewards, valid): 4 prompts x 4 completions sampled once, uneven lengths."""
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    rows = arithmetic.make_rows(arithmetic.sample_questions(PROMPTS, 0, arithmetic.ChainTask(), "train"))
+    torch.manual_seed(1234)
+    rollout = sample_groups(tiny(tokenizer), tokenizer, [r["prompt"] for r in rows], G,
+                            SamplingParams(max_new_tokens=10, temperature=1.0), rows)
+    rewards = torch.linspace(-1.0, 2.0, PROMPTS * G, dtype=torch.float64).roll(3)
+    valid = torch.ones(PROMPTS * G, dtype=torch.bool)
+    valid[FAILED_ROW] = False
+    return rows, rollout, rewards, valid
+
+
+CASES = [(aggregation, False) for aggregation in AGGREGATIONS] + [("token", True)]  # (aggregation, LoRA)
+
+
+def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: int, world: int, shard: bool,
+             micro_batch_size: int, run_dir, steps: int = 1) -> dict:
+    """One SGD step (lr 1, no clipping) on this process's contiguous whole groups; the full weights
+    (before the step with steps=0)."""
+    from grpokit.models.lora import apply_lora
+    from grpokit.models.sharding import full_state_dict, shard_model
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    model = tiny(tokenizer)
+    ref = None
+    if lora:  # the trainer runs the base model under the adapters as the reference
+        model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    else:
+        ref = frozen_copy(model)
+    if shard:
+        shard_model(model)
+        if ref is not None:
+            shard_model(ref)
+    config = GRPOConfig(num_generations=G, prompts_per_step=PROMPTS, max_completion_length=10, beta=0.04,
+                        loss_aggregation=aggregation, micro_batch_size=micro_batch_size, max_grad_norm=1e9)
+    unused = WeightedReward("unused", lambda prompts, completions, **_: [0.0] * len(completions))
+    trainer = GRPOTrainer(model, tokenizer, [unused], rows, config, run_dir, ref_model=ref, progress=False)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    n = rollout.num_samples // world
+    mine = torch.arange(rank * n, (rank + 1) * n)
+    local = rollout.take(mine)
+    advantages = masked_outcome_advantages(rewards[mine].float(), valid[mine], G)  # whole groups: no communication
+    loss_mask = local.completion_mask * valid[mine].unsqueeze(1)
+    ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, local)
+    if steps:
+        update_policy(trainer, local, advantages, loss_mask, ref_logp, old_logp, config.beta)
+    return full_state_dict(model)
+
+
+def sft_losses(shard: bool) -> list[float]:
+    """Two SFT steps (AdamW) on the same demonstrations: the per-step mean token loss of the whole batch."""
+    from grpokit.config import SFTConfig
+    from grpokit.models.sharding import shard_model
+    from grpokit.train.sft import sft_train
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    model = tiny(tokenizer)
+    if shard:
+        shard_model(model)
+    questions = arithmetic.sample_questions(16, 0, arithmetic.ChainTask(), "train")
+    demos = [(r["prompt"], r["solution"]) for r in arithmetic.make_sft_rows(questions, 0.5, 0)]
+    return sft_train(model, tokenizer, demos, SFTConfig(max_steps=2, batch_size=8, warmup_steps=0), progress=False)
+
+
+def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    assert distributed.init(timeout_s=120)
+    try:
+        for aggregation, lora in CASES:
+            state = one_step(*batch, aggregation, lora, rank, world, shard=True, micro_batch_size=3,
+                             run_dir=os.path.join(out_dir, f"rank{rank}"))
+            if rank == 0:
+                torch.save(state, os.path.join(out_dir, f"{aggregation}-{lora}.pt"))
+        losses = sft_losses(shard=True)
+        if rank == 0:
+            torch.save(losses, os.path.join(out_dir, "sft.pt"))
+    finally:
+        distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_path):
+    batch = fixed_batch()
+    _, rollout, _, valid = batch
+    lengths = rollout.completion_lengths
+    assert len(set(lengths.tolist())) > 2, "the batch needs uneven completion lengths"
+    assert not valid[FAILED_ROW]
+
+    mp.spawn(_equivalence_worker, args=(WORLD, free_port(), batch, str(tmp_path)), nprocs=WORLD, join=True)
+
+    for aggregation, lora in CASES:
+        single = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
+                          run_dir=tmp_path / "single")
+        sharded = torch.load(tmp_path / f"{aggregation}-{lora}.pt")
+        assert sharded.keys() == single.keys()
+        torch.manual_seed(0)
+        initial = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
+                           run_dir=tmp_path / "initial", steps=0)
+        moved = max(float((single[k] - initial[k]).abs().max()) for k in single)
+        worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
+        print(f"{aggregation}{' LoRA' if lora else ''}: largest weight change {moved:.3e}, largest 2-process vs "
+              f"1-process difference {worst:.3e}")
+        assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
+        for k in single:
+            torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,
+                                       msg=lambda m, k=k: f"{aggregation}, {k}: {m}")
+
+    # SFT: each process's share of the batch over the whole batch's token count (uneven lengths)
+    two, one = torch.load(tmp_path / "sft.pt"), sft_losses(shard=False)
+    print(f"sft: losses on 2 processes {two}, on 1 process {one}")
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- one process: no-ops and checks
+
+
+def test_in_one_process_the_collectives_return_their_input():
+    assert not distributed.is_initialized() and distributed.world_size() == 1 and distributed.is_main()
+    assert distributed.all_reduce_sum(3.5) == 3.5 and distributed.all_reduce_sum(2) == 2
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(distributed.all_reduce_sum(t), t)
+    assert distributed.all_agree(True) and not distributed.all_agree(False)
+    assert distributed.sum_dict({"a": 1.0}) == {"a": 1.0}
+    assert distributed.reduce_metrics({"step": 3, "x": 0.5}) == {"step": 3, "x": 0.5}
+    assert distributed.process_seed(7) == 7
+    distributed.barrier()
+
+
+def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
+    config = Config()
+    config.grpo.prompts_per_step = 6
+    check_world_size(config, 3)
+    with pytest.raises(ConfigError, match=r"prompts_per_step=6.*4 processes \(the world size\)"):
+        check_world_size(config, 4)
+
+
+# --------------------------------------------------------------------------- torchrun end to end
+
+
+def length_reward(prompts, completions, **_):
+    """Varies within a group even for an untrained model, so the weights really move."""
+    return [len(c) / 16 for c in completions]
+
+
+TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
+        "--model.tiny.intermediate_size=64", "--prompts_per_step=4", "--num_generations=4",
+        "--max_completion_length=12", "--num_rl_questions=200", "--num_eval_questions=4", "--eval.k=2",
+        "--grpo.save_steps=2", "--grpo.warmup_steps=1", "--grpo.learning_rate=1e-3", "--eval.before=false",
+        "--distributed.timeout_s=120", "--quiet"]
+
+
+def run_env() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(os.path.dirname(here), "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, here]), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def torchrun(nproc: int, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+            str(free_port()), "-m", "grpokit", *args]
+
+
+def config_file(tmp_path) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text("rewards:\n  - name: test_distributed:length_reward\n")
+    return str(path)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_train_then_sigkill_and_resume_exactly(tmp_path):
+    """`torchrun --nproc_per_node=2 -m grpokit train CONFIG` on CPU (gloo): a 4-step run, and the
+    same run killed with SIGKILL after step 3 (checkpoint step-2 on disk) and resumed, end with
+    the same weights and the same metrics rows but the timings."""
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.metrics import read_metrics
+
+    config = config_file(tmp_path)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = subprocess.run(torchrun(2, "train", config, f"--output_dir={straight}", "--grpo.max_steps=4", *TINY),
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step4 = straight / "checkpoints" / "step-4"
+    assert saved_world_size(step4) == 2 and (step4 / "trainer_state.rank1.pt").is_file()
+    AutoModelForCausalLM.from_pretrained(step4)  # one Hugging Face checkpoint, gathered from the shards
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes
+    assert any(r["grad_norm"] > 0 for r in rows) and "greedy accuracy" in done.stdout
+
+    proc = subprocess.Popen(torchrun(2, "train", config, f"--output_dir={killed}", "--grpo.max_steps=4", *TINY),
+                            env=run_env(), stdout=subprocess.DEVNULL, stderr=(tmp_path / "killed.log").open("w"))
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.05)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and both workers at once (they are
+        os.kill(pid, signal.SIGKILL)                 # in their own sessions: killpg would miss them)
+    proc.wait(timeout=60)
+    assert not (killed / "checkpoints" / "step-4").exists()
+
+    resumed = subprocess.run(torchrun(2, "train", str(killed / "config.yaml"), "--resume"), env=run_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    a, b = load_file(step4 / "model.safetensors"), load_file(killed / "checkpoints" / "step-4" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    assert comparable(read_metrics(metrics)) == comparable(rows)
+
+    # One process cannot resume what two wrote: a clear refusal that says what to do.
+    one = subprocess.run([sys.executable, "-m", "grpokit", "train", str(straight / "config.yaml"), "--resume",
+                          "--grpo.max_steps=5"], env=run_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 1
+    assert "written by 2 processes and this run has 1" in one.stderr and "--nproc_per_node=2" in one.stderr
+    assert "--model.name_or_path=" in one.stderr
+
+
+@pytest.mark.slow
+def test_bench_memory_measures_full_and_lora_on_one_and_two_processes(tmp_path):
+    """The measured memory table: 4 setups, each a real run (2 processes: torchrun, FSDP2, and a
+    LoRA policy sampling through the sharded model)."""
+    import json
+
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, "-m", "grpokit", "bench", "memory", "--measure", "--hidden-size=32",
+                           "--num-layers=2", "--num-heads=2", "--intermediate-size=64", "--lora-r=4", "--steps=1",
+                           "--max-completion-length=8", "--json", str(out)],
+                          env=run_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["setup"], r["processes"]) for r in rows] == [("full", 1), ("full", 2), ("LoRA r=4", 1),
+                                                            ("LoRA r=4", 2)]
+    assert all(r["peak_bytes"] > 0 for r in rows)
+    assert "| LoRA r=4 | 2 |" in done.stdout and "vs full, 1 process" in done.stdout
+
+
+@pytest.mark.slow
+def test_when_one_process_dies_the_other_stops_with_a_message_and_no_half_checkpoint(tmp_path):
+    import signal
+    import time
+
+    config, run = config_file(tmp_path), tmp_path / "run"
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(torchrun(2, "train", config, f"--output_dir={run}", "--grpo.max_steps=500", *TINY),
+                            env=run_env(), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 600
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):  # step-2 saved
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    workers = descendants(proc.pid)
+    rank1 = [p for p in workers if b"LOCAL_RANK=1\0" in open(f"/proc/{p}/environ", "rb").read()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    proc.wait(timeout=180)  # well within distributed.timeout_s: the survivor does not hang
+    assert proc.returncode != 0
+    assert "grpokit: process 0 of 2 stopped" in log.read_text()
+    checkpoints = run / "checkpoints"
+    assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]  # no temp directory left
+    from grpokit.checkpoint import verify_checkpoint
+
+    for step in checkpoints.glob("step-*"):
+        assert verify_checkpoint(step) == []
