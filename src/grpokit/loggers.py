@@ -100,13 +100,27 @@ def _flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, An
 
 
 class MetricsLogger:
-    """Where a trainer's per-step records go. Subclasses override log and close."""
+    """Where a trainer's per-step records go. A tracker implements _log_metrics (the record's
+    finite numbers, when it has any) and _finish (flush and release, called once)."""
+
+    _closed = False
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
+        metrics = numeric_metrics(record)
+        if metrics:
+            self._log_metrics(metrics, step)
+
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
         """Flush and release; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._finish()
+
+    def _finish(self) -> None:
+        pass
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -134,16 +148,13 @@ class TensorBoardLogger(MetricsLogger):
             # Markdown code block, so the TEXT tab shows the config as written.
             text = json.dumps(dict(config), indent=2, sort_keys=True, default=str)
             self._writer.add_text("config", "    " + text.replace("\n", "\n    "), global_step=0)
-        self._closed = False
 
-    def log(self, record: Mapping[str, Any], step: int) -> None:
-        for name, value in numeric_metrics(record).items():
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 
-    def close(self) -> None:
-        if not self._closed:
-            self._writer.close()
-            self._closed = True
+    def _finish(self) -> None:
+        self._writer.close()
 
 
 class WandbLogger(MetricsLogger):
@@ -168,17 +179,12 @@ class WandbLogger(MetricsLogger):
             mode=os.environ.get("WANDB_MODE") or None,
             reinit="create_new",  # its own run object, even when another run is active
         )
-        self._closed = False
 
-    def log(self, record: Mapping[str, Any], step: int) -> None:
-        metrics = numeric_metrics(record)
-        if metrics:
-            self._run.log(metrics, step=step)
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
 
-    def close(self) -> None:
-        if not self._closed:
-            self._run.finish()
-            self._closed = True
+    def _finish(self) -> None:
+        self._run.finish()
 
 
 class MLflowLogger(MetricsLogger):
@@ -229,20 +235,16 @@ class MLflowLogger(MetricsLogger):
             for i in range(0, len(params), self._PARAMS_PER_BATCH):
                 self._client.log_batch(self.run_id, params=params[i : i + self._PARAMS_PER_BATCH])
             self._client.log_dict(self.run_id, json.loads(json.dumps(dict(config), default=str)), "config.json")
-        self._closed = False
 
-    def log(self, record: Mapping[str, Any], step: int) -> None:
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        metrics = [Metric(name, value, now_ms, step) for name, value in numeric_metrics(record).items()]
-        if metrics:
-            self._client.log_batch(self.run_id, metrics=metrics)
+        self._client.log_batch(self.run_id, metrics=[Metric(name, value, now_ms, step)
+                                                     for name, value in metrics.items()])
 
-    def close(self) -> None:
-        if not self._closed:
-            self._client.set_terminated(self.run_id)
-            self._closed = True
+    def _finish(self) -> None:
+        self._client.set_terminated(self.run_id)
 
 
 class TrackioLogger(MetricsLogger):
@@ -260,17 +262,12 @@ class TrackioLogger(MetricsLogger):
         self._trackio = trackio
         self.project = project or DEFAULT_PROJECT
         trackio.init(project=self.project, name=run_name, config=dict(config or {}))
-        self._closed = False
 
-    def log(self, record: Mapping[str, Any], step: int) -> None:
-        metrics = numeric_metrics(record)
-        if metrics:
-            self._trackio.log(metrics, step=step)
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._trackio.log(metrics, step=step)
 
-    def close(self) -> None:
-        if not self._closed:
-            self._trackio.finish()
-            self._closed = True
+    def _finish(self) -> None:
+        self._trackio.finish()
 
 
 class CompositeLogger(MetricsLogger):
