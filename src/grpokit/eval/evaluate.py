@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from math import comb
 
 from grpokit.rollout import SamplingParams, sample_groups
+from grpokit.threads import ThreadTuner
 
 
 @dataclass
@@ -66,9 +67,13 @@ def evaluate(
         return answer is not None and equivalent(answer, str(row[answer_key]))
 
     prompts = [r["prompt"] for r in rows]
-    greedy = sample_groups(model, tokenizer, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    # Each token generate makes is a step for the thread tuner (it changes speed, not results).
+    with ThreadTuner(enabled=None if on_cpu else False) as tuner, tuner.per_forward(model):
+        greedy = sample_groups(model, tokenizer, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
+        sampled = sample_groups(model, tokenizer, prompts, k,
+                                SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
     greedy_hits = sum(correct(extract_answer(c), row) for c, row in zip(greedy.completions, rows))
-    sampled = sample_groups(model, tokenizer, prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
     passes = majority = 0.0
     for q, row in enumerate(rows):
         answers = [extract_answer(c) for c in sampled.completions[q * k : (q + 1) * k]]
