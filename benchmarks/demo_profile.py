@@ -1,16 +1,18 @@
 """Where the demo's SFT and evaluation time goes; with --grpo, one GRPO step's phases too.
 
     python benchmarks/demo_profile.py [--steps 12] [--threads 1,2] [--eval-questions 64]
-                                      [--checkpoint runs/demo/checkpoints/sft] [--grpo]
+                                      [--checkpoint runs/demo/checkpoints/sft] [--grpo] [--compile]
 
 SFT: the demo's model, data and optimizer (seed 0), one step split into making the batch,
 forward, backward, gradient clipping and the optimizer (step, schedule), for each batch
 layout (one right-padded example per row, as before packing; packed rows, as sft_train
-builds them) and each torch thread count. Every configuration trains its own copy of the
-same initial model on the same batches, and they take turns step by step, so a machine whose
-speed drifts (other jobs) slows all of them alike. Times are medians over --steps steps;
-"cpu" is the process's CPU time per step, "cpu/wall" above 1 means several threads were busy,
-below 1 that the process waited for a CPU (the machine is busy: trust cpu more than wall).
+builds them; with --compile, packed rows through torch.compile) and each thread count.
+Every configuration trains its own copy of the same initial model on the same batches, and
+they take turns step by step, so a machine whose speed drifts (other jobs) slows all of
+them alike. Times are medians over --steps steps; "cpu" is the process's CPU time per step;
+"cpu/wall" above 1 means several threads were busy, below 1 that the process waited for a
+CPU (a busy machine: trust cpu more than wall). The losses printed last show whether a
+layout or thread count changed the numbers.
 
 Evaluation: the demo's held-out prompts (the first --eval-questions), split into prompt
 tokenization, greedy `generate`, sampled `generate` (k = eval.k), decoding and scoring,
@@ -19,7 +21,9 @@ per thread count. Completion lengths decide generate's cost, so pass a trained p
 stops early and overstates it.
 
 GRPO (--grpo): GRPOTrainer steps on the same model, split by the timings the trainer logs
-(rollout, scoring, log-probs, update), alternating thread counts.
+(rollout, scoring, log-probs, update), taking turns between fixed thread counts and a
+ThreadTuner wrapped around the trainer from outside; then the update's forward + backward on
+one rollout with micro-batches as sampled vs sorted by length and cut to their longest row.
 
 Numbers from a shared machine are noisy: compare rows of one run, not runs.
 """
@@ -64,6 +68,8 @@ class SFTRun:
     scheduler: object
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in SFT_PHASES + ("step", "cpu")})
     in_ops: float = float("nan")  # share of a profiled step's time spent inside torch operators
+    forward: object = None  # the model, or torch.compile of it
+    first_step: float = float("nan")  # seconds of the first step (torch.compile compiles there)
     tokens: list[int] = field(default_factory=list)  # ids computed per step, padding included
     real: list[int] = field(default_factory=list)  # ids of the examples themselves
     losses: list[float] = field(default_factory=list)
@@ -72,10 +78,10 @@ class SFTRun:
         torch.set_num_threads(self.threads)
         clock = time.perf_counter
         t0, c0 = clock(), time.process_time()
-        make = packed_batch if self.layout == "packed" else padded_batch
+        make = padded_batch if self.layout == "padded" else packed_batch
         batch = make(data, indices, pad_id)
         t1 = clock()
-        out = self.model(**batch, use_cache=False)
+        out = (self.model if self.forward is None else self.forward)(**batch, use_cache=False)
         t2 = clock()
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -86,6 +92,8 @@ class SFTRun:
         self.scheduler.step()
         self.losses.append(out.loss.item())
         t5 = clock()
+        if len(self.losses) == 1:
+            self.first_step = t5 - t0
         if timed:
             for phase, seconds in zip(SFT_PHASES + ("step",), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
                 self.times[phase].append(seconds)
@@ -94,7 +102,7 @@ class SFTRun:
             self.real.append(sum(data.lengths[i] for i in indices))
 
 
-def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2) -> None:
+def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2, compile_: bool = False) -> None:
     seed_everything(config.seed)
     sft_rows, _, _ = task_splits(config)
     model, tokenizer = load_policy(config)
@@ -103,11 +111,12 @@ def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2)
     tokenize_seconds = time.perf_counter() - started
     runs = []
     for n in threads:
-        for layout in ("padded", "packed"):
+        for layout in ("padded", "packed") + (("compiled",) if compile_ else ()):
             copy_ = copy.deepcopy(model).train()
             optimizer = make_optimizer(copy_, config.sft.learning_rate, config.sft.weight_decay)
             runs.append(SFTRun(n, layout, copy_, optimizer,
-                               warmup_cosine(optimizer, config.sft.warmup_steps, config.sft.max_steps)))
+                               warmup_cosine(optimizer, config.sft.warmup_steps, config.sft.max_steps),
+                               forward=torch.compile(copy_, dynamic=True) if layout == "compiled" else None))
     rng = random.Random(config.seed)
     order = rng.sample(range(len(data)), len(data))
     batch_size = config.sft.batch_size
@@ -138,6 +147,10 @@ def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2)
               + f" {run.in_ops:>7.0%} {statistics.median(run.tokens):>9.0f} {padding:>7.1%}")
     print("in ops: share of one profiled step inside torch operators (the rest: Python and dispatch)\n"
           "padding: share of the ids a step computes that are padding")
+    for run in runs:
+        if run.layout == "compiled":
+            print(f"  compiled (packed rows, torch.compile dynamic=True), {run.threads} thread(s): first step, "
+                  f"which compiles, {run.first_step:.1f}s (less with a warm compile cache)")
     base = next(r for r in runs if r.layout == "padded")
     for run in runs[1:]:
         diff = max(abs(a - b) for a, b in zip(run.losses, base.losses))
@@ -245,6 +258,48 @@ def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str
     print(f"tuned: a ThreadTuner over {threads}, every policy forward a step; it chose {tuner.choice} last")
     print(f"completion columns that are padding after the row's end: {statistics.mean(padding):.0%} "
           "(log-prob and update passes compute them too)")
+    profile_trimmed_update(model, tokenizer, rl_rows, config, min(threads))
+
+
+def profile_trimmed_update(model, tokenizer, rows: list[dict], config: Config, threads: int, repeats: int = 3) -> None:
+    """What the GRPO update's forward + backward would cost if micro-batches held rows of
+    similar length, each cut to its own longest completion, instead of rows in sampled order
+    at the batch's longest."""
+    from grpokit.rollout import sample_groups, token_logprobs
+
+    g = config.grpo
+    torch.set_num_threads(threads)
+    torch.manual_seed(config.seed)
+    prompts = [r["prompt"] for r in rows[: g.prompts_per_step]]
+    rollout = sample_groups(model, tokenizer, prompts, g.num_generations,
+                            SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.generation_batch_size))
+    lengths = rollout.completion_mask.sum(1)
+    p = rollout.prompt_length
+
+    def micro_batches(order: torch.Tensor, trim: bool):
+        for micro in order.split(g.micro_batch_size):
+            width = p + (int(lengths[micro].max()) if trim else rollout.completion_mask.shape[1])
+            yield rollout.input_ids[micro, :width], rollout.attention_mask[micro, :width]
+
+    def timed(order: torch.Tensor, trim: bool) -> tuple[float, int]:
+        times, ids = [], 0
+        for _ in range(repeats):
+            started, ids = time.perf_counter(), 0
+            for input_ids, mask in micro_batches(order, trim):
+                logp, _ = token_logprobs(model, input_ids, mask, p, g.temperature, len(input_ids))
+                logp.sum().backward()
+                ids += input_ids.numel()
+            times.append(time.perf_counter() - started)
+            model.zero_grad(set_to_none=True)
+        return statistics.median(times), ids
+
+    model.train()
+    as_sampled, ids_sampled = timed(torch.randperm(len(lengths)), trim=False)
+    by_length, ids_sorted = timed(torch.argsort(lengths), trim=True)
+    model.eval()
+    print(f"update forward+backward at {threads} thread(s), micro-batches of {g.micro_batch_size}: rows as sampled "
+          f"{as_sampled:.3f}s ({ids_sampled} ids); sorted by length, each cut to its longest {by_length:.3f}s "
+          f"({ids_sorted} ids)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", help="a saved pi_SFT for the evaluation and GRPO parts")
     parser.add_argument("--grpo", action="store_true", help="also time GRPO steps (uses the trainer unchanged)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: sft, eval")
+    parser.add_argument("--compile", action="store_true", help="add packed rows through torch.compile to SFT")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     skip = set(filter(None, args.skip.split(",")))
@@ -262,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     config = Config()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads by default; python {sys.version.split()[0]}")
     if "sft" not in skip:
-        profile_sft(config, threads, args.steps)
+        profile_sft(config, threads, args.steps, compile_=args.compile)
     if "eval" not in skip:
         profile_eval(config, threads, args.eval_questions, args.checkpoint)
     if args.grpo:

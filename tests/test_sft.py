@@ -250,10 +250,9 @@ print(json.dumps({"losses": [float.hex(x) for x in losses], "weights": weights,
 """
 
 
-@pytest.mark.slow  # three fresh processes
 def test_switching_threads_mid_run_changes_nothing(tmp_path):
-    """SFT and evaluation with the tuner switching threads give the bits of runs pinned to 1 or
-    2 threads (with MKL's products made thread-independent, as the tuner asks for)."""
+    """SFT and evaluation with the tuner switching between 2 threads and 1 give the bits of a
+    run pinned to 1 thread (with MKL's products made thread-independent, as the tuner asks)."""
     import json
     import os
     import subprocess
@@ -265,13 +264,11 @@ def test_switching_threads_mid_run_changes_nothing(tmp_path):
         pytest.skip("one CPU: the tuner has nothing to switch between")
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
     runs = {}
-    for name, extra in (("pinned 1", {"OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}),
-                        ("pinned 2", {"OMP_NUM_THREADS": "2", "MKL_CBWR": "AUTO,STRICT"}),
-                        ("tuned", {})):
+    for name, extra in (("pinned", {"OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}), ("tuned", {})):
         out = subprocess.run([sys.executable, "-c", RUN_SFT_AND_EVALUATE], env={**base, **extra}, cwd=tmp_path,
                              capture_output=True, text=True, timeout=600, check=True)
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    assert runs["pinned 1"]["counts"] == [] and runs["pinned 2"]["counts"] == []  # pinned: the tuner stays off
-    assert {1, 2} <= set(runs["tuned"]["counts"])  # it did switch, in SFT and in generate
+    assert runs["pinned"]["counts"] == []  # OMP_NUM_THREADS set: the tuner stays off
+    assert {1, 2} <= set(runs["tuned"]["counts"])  # it switched (its first probe runs 2, 2, 2, 1, 1, 1)
     for key in ("losses", "weights", "greedy", "pass"):
-        assert runs["pinned 1"][key] == runs["pinned 2"][key] == runs["tuned"][key], key
+        assert runs["pinned"][key] == runs["tuned"][key], key

@@ -6,15 +6,16 @@ thread the scheduler has parked. On a quiet machine two threads are faster. Neit
 right for both, and which one holds changes while a run goes on, so `ThreadTuner` times a
 few steps at each thread count, runs with the fastest, and checks again now and then.
 
-Switching must not change results. Elementwise operations and torch's own reductions give
-the same bits at any thread count, but MKL splits long matrix products (a weight gradient
-sums over every token of the batch) across threads, which changes the last bits of the sum;
-over a long training run that grows into a different model. MKL's strict conditional
-numerical reproducibility mode (MKL_CBWR=AUTO,STRICT) keeps its products the same at any
-thread count, at no measurable cost here. MKL reads that setting at its first call, so
-`request_thread_independent_blas` asks for it before a loop's first product, and the tuner
-switches only when `blas_thread_independent` confirms that products agree bit for bit;
-otherwise it leaves the thread count alone.
+Switching must not change results. torch's elementwise operations and reductions in the
+tiny model's training step and in generation give the same bits at any thread count (the
+tests run both pinned to 1 and 2 threads and switching), but MKL splits long matrix products
+(a weight gradient sums over every token of the batch) across threads, which changes the
+last bits of the sum; over a long training run that grows into a different model. MKL's
+strict conditional numerical reproducibility mode (MKL_CBWR=AUTO,STRICT) keeps its products
+the same at any thread count, at no measurable cost here. MKL reads that setting at its
+first call, so `request_thread_independent_blas` asks for it before a loop's first product,
+and the tuner switches only when `blas_thread_independent` confirms that products agree bit
+for bit; otherwise it leaves the thread count alone.
 """
 
 from __future__ import annotations
