@@ -1,7 +1,11 @@
 """SFT: packed batches hold the same examples and give the loss padded batches give; the
 thread tuner picks the faster thread count and does not change results."""
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ import torch
 from grpokit.config import SFTConfig
 from grpokit.data import arithmetic
 from grpokit.models import build_tiny_model
-from grpokit.threads import ThreadTuner
+from grpokit.threads import ThreadTuner, usable_cpus
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 from grpokit.train.sft import (
     TokenizedExamples,
@@ -253,13 +257,6 @@ print(json.dumps({"losses": [float.hex(x) for x in losses], "weights": weights,
 def test_switching_threads_mid_run_changes_nothing(tmp_path):
     """SFT and evaluation with the tuner switching between 2 threads and 1 give the bits of a
     run pinned to 1 thread (with MKL's products made thread-independent, as the tuner asks)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from grpokit.threads import usable_cpus
-
     if usable_cpus() < 2:
         pytest.skip("one CPU: the tuner has nothing to switch between")
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR")}
