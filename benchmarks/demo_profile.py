@@ -21,9 +21,7 @@ per thread count. Completion lengths decide generate's cost, so pass a trained p
 stops early and overstates it.
 
 GRPO (--grpo): GRPOTrainer steps on the same model, split by the timings the trainer logs
-(rollout, scoring, log-probs, update), taking turns between fixed thread counts and a
-ThreadTuner wrapped around the trainer from outside; then the update's forward + backward on
-one rollout with micro-batches as sampled vs sorted by length and cut to their longest row.
+(rollout, scoring, log-probs, update), taking turns between the thread counts.
 
 Numbers from a shared machine are noisy: compare rows of one run, not runs.
 """
@@ -41,12 +39,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpokit.config import Config
+from grpokit.cli import DEMO_PRESET
+from grpokit.config import Config, load_config
 from grpokit.data import arithmetic
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rollout import SamplingParams
-from grpokit.stages import load_policy, seed_everything, task_splits
-from grpokit.threads import request_thread_independent_blas
+from grpokit.stages import load_policy, seed_everything
+from grpokit.tasks.base import task_for
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 from grpokit.train.sft import TokenizedExamples, packed_batch, padded_batch, tokenize_examples
 
@@ -104,10 +103,10 @@ class SFTRun:
 
 def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2, compile_: bool = False) -> None:
     seed_everything(config.seed)
-    sft_rows, _, _ = task_splits(config)
     model, tokenizer = load_policy(config)
+    sft_rows = task_for(config).data(tokenizer).sft
     started = time.perf_counter()
-    data = TokenizedExamples.of(tokenize_examples(tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows]))
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, [(r["prompt"], r["completion"]) for r in sft_rows]))
     tokenize_seconds = time.perf_counter() - started
     runs = []
     for n in threads:
@@ -159,13 +158,12 @@ def profile_sft(config: Config, threads: list[int], steps: int, warmup: int = 2,
 
 
 def profile_eval(config: Config, threads: list[int], questions: int, checkpoint: str | None) -> None:
-    _, _, heldout = task_splits(config)
-    rows = heldout[:questions]
     if checkpoint:
         model, tokenizer = load_model_and_tokenizer(checkpoint, dtype="fp32", device="cpu")
     else:
         model, tokenizer = load_policy(config)
         print("\n(no --checkpoint: an untrained model never emits EOS, so generate runs to max_new_tokens)")
+    rows = task_for(config).data(tokenizer).heldout[:questions]
     e, max_new = config.eval, config.grpo.max_completion_length
     prompts = [r["prompt"] for r in rows]
     print(f"\nevaluation: {len(rows)} held-out questions, greedy + {e.k} samples at T={e.temperature}, "
@@ -214,18 +212,16 @@ def profile_eval(config: Config, threads: list[int], questions: int, checkpoint:
 
 
 def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str | None) -> None:
-    """GRPO steps at each fixed thread count and with a ThreadTuner wrapped around the
-    trainer from outside (every forward pass of the policy is a tuner step)."""
+    """GRPO steps at each thread count, taking turns, split by the timings the trainer logs."""
     from grpokit.stages import make_trainer
-    from grpokit.threads import ThreadTuner
 
-    _, rl_rows, _ = task_splits(config)
     if checkpoint:
         model, tokenizer = load_model_and_tokenizer(checkpoint, dtype="fp32", device="cpu")
     else:
         model, tokenizer = load_policy(config)
+    rl_rows = task_for(config).data(tokenizer, sft=False).train
     phases = ("rollout", "scoring", "logprob", "update")
-    settings = [str(n) for n in threads] + ["tuned"]
+    settings = [str(n) for n in threads]
     times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in phases + ("step", "cpu")} for n in settings}
     padding = []
     saved = torch.get_num_threads()
@@ -233,16 +229,11 @@ def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str
         seed_everything(config.seed)
         trainer = make_trainer(config, model, tokenizer, rl_rows, run_dir, progress=False)
         trainer.step()  # warm-up
-        tuner = ThreadTuner(candidates=tuple(threads))
         for i in range(steps * len(settings)):
             setting = settings[i % len(settings)]
             cpu = time.process_time()
-            if setting == "tuned":
-                with tuner.per_forward(trainer.model):
-                    record = trainer.step()
-            else:
-                torch.set_num_threads(int(setting))
-                record = trainer.step()
+            torch.set_num_threads(int(setting))
+            record = trainer.step()
             times[setting]["cpu"].append(time.process_time() - cpu)
             for p in phases:
                 times[setting][p].append(record[f"perf/{p}_time_s"])
@@ -255,51 +246,8 @@ def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str
     print(f"{'threads':>7} " + " ".join(f"{p:>8}" for p in phases + ("step", "cpu")))
     for n in settings:
         print(f"{n:>7} " + " ".join(f"{statistics.median(times[n][p]):>8.3f}" for p in phases + ("step", "cpu")))
-    print(f"tuned: a ThreadTuner over {threads}, every policy forward a step; it chose {tuner.choice} last")
     print(f"completion columns that are padding after the row's end: {statistics.mean(padding):.0%} "
-          "(log-prob and update passes compute them too)")
-    profile_trimmed_update(model, tokenizer, rl_rows, config, min(threads))
-
-
-def profile_trimmed_update(model, tokenizer, rows: list[dict], config: Config, threads: int, repeats: int = 3) -> None:
-    """What the GRPO update's forward + backward would cost if micro-batches held rows of
-    similar length, each cut to its own longest completion, instead of rows in sampled order
-    at the batch's longest."""
-    from grpokit.rollout import sample_groups, token_logprobs
-
-    g = config.grpo
-    torch.set_num_threads(threads)
-    torch.manual_seed(config.seed)
-    prompts = [r["prompt"] for r in rows[: g.prompts_per_step]]
-    rollout = sample_groups(model, tokenizer, prompts, g.num_generations,
-                            SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.generation_batch_size))
-    lengths = rollout.completion_mask.sum(1)
-    p = rollout.prompt_length
-
-    def micro_batches(order: torch.Tensor, trim: bool):
-        for micro in order.split(g.micro_batch_size):
-            width = p + (int(lengths[micro].max()) if trim else rollout.completion_mask.shape[1])
-            yield rollout.input_ids[micro, :width], rollout.attention_mask[micro, :width]
-
-    def timed(order: torch.Tensor, trim: bool) -> tuple[float, int]:
-        times, ids = [], 0
-        for _ in range(repeats):
-            started, ids = time.perf_counter(), 0
-            for input_ids, mask in micro_batches(order, trim):
-                logp, _ = token_logprobs(model, input_ids, mask, p, g.temperature, len(input_ids))
-                logp.sum().backward()
-                ids += input_ids.numel()
-            times.append(time.perf_counter() - started)
-            model.zero_grad(set_to_none=True)
-        return statistics.median(times), ids
-
-    model.train()
-    as_sampled, ids_sampled = timed(torch.randperm(len(lengths)), trim=False)
-    by_length, ids_sorted = timed(torch.argsort(lengths), trim=True)
-    model.eval()
-    print(f"update forward+backward at {threads} thread(s), micro-batches of {g.micro_batch_size}: rows as sampled "
-          f"{as_sampled:.3f}s ({ids_sampled} ids); sorted by length, each cut to its longest {by_length:.3f}s "
-          f"({ids_sorted} ids)")
+          "(the log-prob and update passes skip most: rows go in length-sorted micro-batches cut to their longest)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,8 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     skip = set(filter(None, args.skip.split(",")))
-    request_thread_independent_blas()  # as sft_train does: thread counts then compute the same bits
-    config = Config()
+    config = load_config([str(DEMO_PRESET)])  # the demo's settings
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads by default; python {sys.version.split()[0]}")
     if "sft" not in skip:
         profile_sft(config, threads, args.steps, compile_=args.compile)
