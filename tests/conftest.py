@@ -1,6 +1,8 @@
 """Shared fixtures: a real tiny transformers model and a real char tokenizer, built here."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,3 +29,15 @@ def tiny_model(tokenizer):
 def chain_rows():
     task = arithmetic.ChainTask()
     return arithmetic.make_rows(arithmetic.sample_questions(64, 0, task, "train"))
+
+
+@pytest.fixture(scope="session")
+def seed0_demo(tmp_path_factory):
+    """The full-size `grpokit demo --seed 0`, run once per session. The slow tests check its
+    targets, and the PPO and reward-model demos start RL from its pi_SFT (variants compared on
+    one pi_SFT, as the benchmarks do) instead of each training the same pi_SFT again."""
+    out = tmp_path_factory.mktemp("demo-seed0")
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "demo", "--output-dir", str(out), "--seed", "0",
+                           "--quiet"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -28,6 +28,8 @@ def test_demo_writes_the_run_directory(tmp_path):
     assert "greedy accuracy" in proc.stdout and "pass@2" in proc.stdout and "maj@2" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seed"] == 3
+    assert "stage times: sft " in proc.stdout and all(
+        key in summary for key in ("sft_seconds", "eval_before_seconds", "rl_seconds", "eval_after_seconds"))
     for key in ("sft_accuracy", "grpo_accuracy", "wall_seconds"):
         assert isinstance(summary[key], float)
     assert 0.0 <= summary["sft_accuracy"] <= 1.0 and 0.0 <= summary["grpo_accuracy"] <= 1.0
@@ -55,13 +57,13 @@ def test_help_shows_every_key():
 
 
 @pytest.mark.slow
-def test_full_demo_meets_its_target(tmp_path):
-    """The embedded default: GRPO beats the SFT model by >= 15 points, within 10 minutes."""
-    grpokit("demo", "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=900)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_full_demo_meets_its_target(seed0_demo):
+    """The embedded default: GRPO beats the SFT model by >= 15 points, within 450 s (it takes about
+    250 s on a quiet 2-core machine; the limit leaves room for a slower one)."""
+    summary = json.loads((seed0_demo / "summary.json").read_text())
     gain = summary["grpo_accuracy"] - summary["sft_accuracy"]
     assert gain >= 0.15, summary
-    assert summary["wall_seconds"] <= 600, summary
+    assert summary["wall_seconds"] <= 450, summary
 
 
 def test_config_keys_take_their_value_after_a_space():
@@ -73,9 +75,20 @@ def test_config_keys_take_their_value_after_a_space():
 
 
 @pytest.mark.slow
-def test_ppo_demo_improves_over_the_sft_model(tmp_path):
+def test_ppo_demo_improves_over_the_sft_model(tmp_path, seed0_demo):
     """The PPO baseline is a real baseline: on the demo task it, too, beats pi_SFT clearly."""
-    grpokit("demo", "--algo=ppo", "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=1500)
+    grpokit("demo", "--algo=ppo", f"--sft.checkpoint={seed0_demo / 'checkpoints' / 'sft'}",
+            "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=900)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["algo"] == "ppo"
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.10, summary
+
+
+def test_stage_times_names_each_stage_and_what_is_left():
+    from grpokit.pipeline import stage_times
+
+    summary = {"sft_seconds": 100.4, "eval_before_seconds": 8.0, "reward_model_seconds": 30.2, "rl_seconds": 90.0,
+               "eval_after_seconds": 9.0, "wall_seconds": 240.0}
+    assert stage_times(summary, "ppo") == ("stage times: sft 100s, eval before 8s, reward model 30s, ppo 90s, "
+                                           "eval after 9s, other 2s; total 240s")
+    assert stage_times({"rl_seconds": 5.0, "wall_seconds": 6.0}, "grpo") == "stage times: grpo 5s, other 1s; total 6s"

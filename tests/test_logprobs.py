@@ -48,7 +48,8 @@ def full_logits_logprobs(model, ids, mask, temperature=1.0):
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, ids[:, PROMPT:, None]).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logp, entropy.detach()
+    padding = mask[:, PROMPT:] == 0  # token_logprobs gives 0 there: no row computes past its end
+    return logp.masked_fill(padding, 0.0), entropy.detach().masked_fill(padding, 0.0)
 
 
 def close(a, b):
@@ -117,7 +118,9 @@ def test_head_sees_only_completion_positions_a_chunk_at_a_time():
         token_logprobs(model, ids, mask, PROMPT, micro_batch_size=3, chunk_size=4)
     assert not forward_calls  # the full model's forward (all P + T logits) never runs
     assert max(head_positions) <= 4
-    assert sum(head_positions) == 5 * COMPLETION
+    # Rows by completion length [1, 2, 4 | 5, 7] in micro-batches of 3, each cut to its longest
+    # row: 3 x 4 + 2 x 7 = 26 positions, where uncut right-padded rows would take 5 x 7 = 35.
+    assert sum(head_positions) == 3 * 4 + 2 * 7
 
 
 def test_micro_batch_size_and_chunk_size_do_not_change_results():

@@ -166,10 +166,11 @@ def test_iterative_training_resumes_exactly(tmp_path, sft_checkpoint, died_in):
 
 
 @pytest.mark.slow
-def test_grpo_on_a_learned_reward_model_beats_the_sft_model(tmp_path):
+def test_grpo_on_a_learned_reward_model_beats_the_sft_model(tmp_path, seed0_demo):
     """The full-size `demo --reward model`: the outcome RM is trained on pi_SFT's graded samples and
     is GRPO's only reward; held-out greedy accuracy must still rise by >= 10 points."""
-    grpokit("demo", "--reward", "model", "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=1500)
+    grpokit("demo", "--reward", "model", f"--sft.checkpoint={seed0_demo / 'checkpoints' / 'sft'}",
+            "--output-dir", str(tmp_path), "--seed", "0", "--quiet", timeout=900)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["reward"] == "model"
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.10, summary

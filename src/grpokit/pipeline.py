@@ -115,17 +115,18 @@ def run_demo(config: Config, progress: bool = True) -> dict:
     if sft_dir and not (Path(sft_dir) / "config.json").is_file():
         raise ConfigError(f"sft.checkpoint {sft_dir!r} is not a saved model (no config.json there); "
                           "point it at a run's checkpoints/sft directory")
+    timings = {}
     if "sft" in config.stages and not sft_dir:
         sft_dir = str(run_sft(config, progress))
+        timings["sft_seconds"] = time.perf_counter() - started
     elif sft_dir:
         print(f"pi_SFT from {sft_dir} (sft.checkpoint); no SFT in this run")
-    sft_seconds = time.perf_counter() - started
     if "train" not in config.stages:
         return {"checkpoint": sft_dir}
     # pi_SFT enters RL through the same loader a hub checkpoint would.
     rl_config = dataclasses.replace(config, model=dataclasses.replace(config.model, name_or_path=sft_dir or
                                                                       config.model.name_or_path))
-    summary = run_train(rl_config, progress, timings={"sft_seconds": sft_seconds}, started=started)
+    summary = run_train(rl_config, progress, timings=timings, started=started)
     return summary
 
 
@@ -286,12 +287,18 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed)
+        timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:
+            t = time.perf_counter()
             before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            timings["eval_before_seconds"] = time.perf_counter() - t
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
+        t = time.perf_counter()
         stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
                                       engine)
+        if stage is not None:
+            timings["reward_model_seconds"] = time.perf_counter() - t
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None, engine=engine)
@@ -309,16 +316,31 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         if trainer.interrupted:
             print("stopped before the final evaluation; the checkpoint above is loadable with from_pretrained")
             return {"interrupted": True, "checkpoint": str(final)}
-        summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final), **(timings or {}),
-                   "rl_seconds": time.perf_counter() - rl_started}
+        timings["rl_seconds"] = time.perf_counter() - rl_started
+        summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
         if heldout:
+            t = time.perf_counter()
             after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            timings["eval_after_seconds"] = time.perf_counter() - t
             summary.update(_report(config, task, run_dir, history, before, after))
-        summary["wall_seconds"] = time.perf_counter() - started
+        summary.update(timings, wall_seconds=time.perf_counter() - started)
         if distributed.is_main():
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(stage_times(summary, config.algo))
     print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
     return summary
+
+
+STAGES = (("sft_seconds", "sft"), ("eval_before_seconds", "eval before"), ("reward_model_seconds", "reward model"),
+          ("rl_seconds", None), ("eval_after_seconds", "eval after"))
+
+
+def stage_times(summary: dict, algo: str) -> str:
+    """One line of each stage's wall time in `summary` and the remainder (loading, saving)."""
+    parts = [(name or algo, summary[key]) for key, name in STAGES if key in summary]
+    other = summary["wall_seconds"] - sum(seconds for _, seconds in parts)
+    return "stage times: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in [*parts, ("other", other)]) \
+        + f"; total {summary['wall_seconds']:.0f}s"
 
 
 def format_table(task, before, after, algo: str = "grpo") -> str:

@@ -70,6 +70,11 @@ def token_logprobs(
     the distribution the rollout sampled from. Gradients flow when called outside
     torch.no_grad(); entropy never carries gradients. `chunk_size` bounds how many positions
     (rows x sequence positions together) get vocabulary-sized logits at once.
+
+    Rows go through the model in micro-batches of similar length (sorted by attended length),
+    each cut to its longest row: columns past every row's last attended token change nothing
+    before them (attention is causal), so they are not computed. logp and entropy are 0 wherever
+    attention_mask is 0.
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
@@ -82,27 +87,51 @@ def token_logprobs(
     device = next(model.parameters()).device
     completion_length = input_ids.shape[1] - prompt_length
     split = backbone_and_head(model)
+    # Length of each row up to its last attended token; rows are taken in order of it.
+    # (Meta tensors hold no values to sort or cut by: every column is computed.)
+    full = torch.full((input_ids.shape[0],), input_ids.shape[1], device=attention_mask.device)
+    ends = full if attention_mask.is_meta else attended_ends(attention_mask).clamp(min=prompt_length + 1)
+    order = ends.argsort(stable=True) if input_ids.shape[0] > micro_batch_size and not ends.is_meta else None
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch_size):
-        ids = input_ids[start : start + micro_batch_size].to(device)
-        mask = attention_mask[start : start + micro_batch_size].to(device)
+        rows = slice(start, start + micro_batch_size) if order is None else order[start : start + micro_batch_size]
+        width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
+        ids = input_ids[rows, :width].to(device)
+        mask = attention_mask[rows, :width].to(device)
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
         # Column c predicts token c + 1: completion tokens are predicted by columns P-1 .. L-2.
         if split is not None:
             decoder, head, softcap = split
             features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
         else:
+            kept = width - prompt_length  # completion columns of this micro-batch
             if _accepts_logits_to_keep(model):
-                inputs["logits_to_keep"] = completion_length + 1
-            features = model(**inputs).logits[:, -(completion_length + 1) : -1]
+                inputs["logits_to_keep"] = kept + 1
+            features = model(**inputs).logits[:, -(kept + 1) : -1]
             head, softcap = _identity, None  # the model's forward already applied its head
         logp, entropy = _chunked_stats(
             head, softcap, features, ids[:, prompt_length:], temperature, with_entropy, chunk_size
         )
         logps.append(logp)
         entropies.append(entropy)
-    logp = torch.cat(logps)
-    return logp, (torch.cat(entropies) if with_entropy else None)
+    attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
+    logp = _restore_rows(logps, order, completion_length).masked_fill(~attended, 0.0)
+    entropy = _restore_rows(entropies, order, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
+    return logp, entropy
+
+
+def attended_ends(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N] one past each row's last attended column (0 for a row with none)."""
+    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask.bool() * columns).amax(dim=1)
+
+
+def _restore_rows(parts: list[torch.Tensor], order: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Micro-batch results, each cut to its own width, as one [N, width] tensor in input row order."""
+    out = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
+    if order is None:
+        return out
+    return out[order.argsort().to(out.device)]
 
 
 def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, float | None] | None:

@@ -73,7 +73,8 @@ def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tens
 def update_policy(trainer: Trainer, rollout: Rollout, advantages, loss_mask, ref_logp, old_logp, beta: float) -> dict:
     """mu epochs of clipped policy updates through the shared loop; the step's policy metrics."""
     sums, skipped = trainer.update(trainer.model, trainer.optimizer, trainer.scheduler, loss_mask,
-                                   policy_micro_loss(trainer, rollout, advantages, loss_mask, ref_logp, old_logp, beta))
+                                   policy_micro_loss(trainer, rollout, advantages, loss_mask, ref_logp, old_logp, beta),
+                                   row_lengths=rollout.completion_mask.sum(1))
     tokens, steps = sums.get("tokens", 0.0), sums.get("optimizer_steps", 0.0)
     out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "policy_loss") if k in sums} \
         if tokens else {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}

@@ -322,9 +322,11 @@ class Trainer:
         return rollout, loss_mask
 
     def update(self, model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor, micro_loss,
-               token_weighted: bool = False) -> tuple[dict, int]:
+               token_weighted: bool = False, row_lengths: torch.Tensor | None = None) -> tuple[dict, int]:
         """mu epochs of optimizer steps over minibatches of the batch's rows, each accumulated
-        over micro-batches: the one update loop, for the policy and for PPO's critic.
+        over micro-batches: the one update loop, for the policy and for PPO's critic. With
+        `row_lengths`, a minibatch's rows are split into micro-batches in order of length, so
+        each micro-batch's forward, cut to its longest row, computes little padding.
 
         micro_loss(rows, epoch, total) -> (loss, sums): the micro-batch's share of the minibatch
         loss, i.e. its sum of terms divided by `total`, the count the whole minibatch averages
@@ -355,6 +357,8 @@ class Trainer:
                     continue  # every sample of this minibatch failed its reward, on every process
                 optimizer.zero_grad(set_to_none=True)
                 finite = True
+                if row_lengths is not None and not row_lengths.is_meta:
+                    minibatch = minibatch[row_lengths.to(minibatch.device)[minibatch].argsort(stable=True)]
                 for micro in minibatch.split(cfg.micro_batch_size):
                     loss, sums = micro_loss(micro, epoch, total)
                     if not torch.isfinite(loss):

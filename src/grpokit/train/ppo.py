@@ -113,7 +113,7 @@ class PPO(Algorithm):
         stats = update_policy(trainer, rollout, advantages, loss_mask, None, old_logp, beta=0.0)
         sums, _ = trainer.update(self.critic, self.critic_optimizer, self.critic_scheduler, loss_mask,
                                  self.critic_micro_loss(trainer, rollout, old_values, returns, loss_mask),
-                                 token_weighted=True)
+                                 token_weighted=True, row_lengths=rollout.completion_mask.sum(1))
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
         stats["value/loss"] = sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0))

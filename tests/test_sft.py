@@ -1,0 +1,175 @@
+"""SFT: packed batches hold the same examples and give the loss padded batches give."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpokit.config import SFTConfig
+from grpokit.data import arithmetic
+from grpokit.models import build_tiny_model
+from grpokit.train.schedule import make_optimizer, warmup_cosine
+from grpokit.train.sft import (
+    TokenizedExamples,
+    collate,
+    pack_rows,
+    packed_batch,
+    packing_matches_padding,
+    sft_train,
+    tokenize_examples,
+)
+
+
+@pytest.fixture(scope="module")
+def sft_pairs():
+    task = arithmetic.ChainTask()
+    rows = arithmetic.make_sft_rows(arithmetic.sample_questions(96, 0, task, "train"), 0.5, 0)
+    return [(r["prompt"], r["solution"]) for r in rows]
+
+
+def test_pack_rows_first_fit_decreasing_by_hand():
+    # Longest first: 5 fills a row; 4 opens a row with 1 free; 3 opens one with 2 free;
+    # 2 fits beside the 3; 1 fits beside the 4.
+    assert pack_rows([5, 3, 2, 4, 1]) == [[0], [3, 4], [1, 2]]
+    assert pack_rows([2, 2, 2]) == [[0], [1], [2]]  # nothing fits beside an example of full width
+    assert pack_rows([4, 1, 1, 1, 1]) == [[0], [1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_rows_places_every_example_once_within_the_width(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 70))]
+    rows = pack_rows(lengths)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= max(lengths) for row in rows)
+    # First-fit never leaves two rows that could be merged.
+    loads = sorted(sum(lengths[i] for i in row) for row in rows)
+    assert len(loads) < 2 or loads[0] + loads[1] > max(lengths)
+
+
+def test_packed_batch_layout_by_hand():
+    data = TokenizedExamples.of([([1, 2, 3], 1), ([4, 5], 1), ([6, 7, 8, 9, 10], 2), ([11, 12], 1)])
+    batch = packed_batch(data, [0, 1, 2, 3], pad_id=0)
+    # Width 5: [6..10] fills row 0; [1, 2, 3] opens row 1 and [4, 5] fills it; [11, 12] opens
+    # row 2 and padding (its own positions, no labels) fills the rest.
+    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 10], [1, 2, 3, 4, 5], [11, 12, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 8, 9, 10], [-100, 2, 3, -100, 5], [-100, 12, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+
+
+def test_tokenized_examples_keep_the_tokens_collate_uses(tokenizer, sft_pairs):
+    data = tokenize_examples(tokenizer, sft_pairs[:8])
+    flat = TokenizedExamples.of(data)
+    padded = collate(data, tokenizer.pad_token_id)
+    for i, (seq, prompt_len) in enumerate(data):
+        s, n = flat.starts[i], flat.lengths[i]
+        assert flat.ids[s : s + n].tolist() == seq == padded["input_ids"][i, :n].tolist()
+        assert flat.labels[s : s + n].tolist() == padded["labels"][i, :n].tolist()
+        assert flat.labels[s : s + prompt_len].eq(-100).all()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_packed_loss_and_gradients_equal_padded_ones_in_float64(architecture, tokenizer, sft_pairs):
+    model = build_tiny_model(tokenizer, architecture, hidden_size=32, num_layers=2, num_heads=2,
+                             intermediate_size=64, seed=0).double()
+    data = tokenize_examples(tokenizer, sft_pairs[:32])
+    padded = collate(data, tokenizer.pad_token_id)
+    packed = packed_batch(TokenizedExamples.of(data), list(range(32)), tokenizer.pad_token_id)
+    assert packed["input_ids"].numel() < 0.8 * padded["input_ids"].numel()  # less padding to compute
+
+    def loss_and_grads(batch):
+        # The mean next-token NLL over labelled tokens, in float64 (transformers' own loss
+        # casts logits to float32).
+        model.zero_grad(set_to_none=True)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        targets = batch["labels"][:, 1:]
+        labelled = targets != -100
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * labelled).sum() / labelled.sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    padded_loss, padded_grads = loss_and_grads(padded)
+    packed_loss, packed_grads = loss_and_grads(packed)
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-12, atol=1e-12)
+    for packed_grad, padded_grad in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_packing_check_accepts_transformers_attention(tiny_model, tokenizer, sft_pairs):
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, sft_pairs[:32]))
+    assert packing_matches_padding(tiny_model, data, list(range(32)), tokenizer.pad_token_id)
+    assert tiny_model.training  # the check restores train mode
+
+
+class AttentionThatIgnoresPositions(torch.nn.Module):
+    """A real model behind a forward that drops position_ids, as code that does not know
+    packed sequences would: packed examples then attend to each other."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def test_packing_check_rejects_attention_that_mixes_examples(tiny_model, tokenizer, sft_pairs):
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, sft_pairs[:32]))
+    assert not packing_matches_padding(AttentionThatIgnoresPositions(tiny_model), data, list(range(32)),
+                                       tokenizer.pad_token_id)
+    assert not packing_matches_padding(tiny_model.to(torch.bfloat16), data, list(range(32)), tokenizer.pad_token_id)
+
+
+def padded_reference_losses(model, tokenizer, examples, config: SFTConfig, seed: int = 0) -> list[float]:
+    """The SFT loop with one right-padded example per row, the way it was written before packing."""
+    data = tokenize_examples(tokenizer, examples)
+    optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
+    scheduler = warmup_cosine(optimizer, config.warmup_steps, config.max_steps)
+    rng, order, losses = random.Random(seed), [], []
+    model.train()
+    for _ in range(config.max_steps):
+        if len(order) < config.batch_size:
+            order += rng.sample(range(len(data)), len(data))
+        batch = collate([data[i] for i in order[: config.batch_size]], tokenizer.pad_token_id)
+        del order[: config.batch_size]
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_sft_train_follows_the_padded_loop_in_float64(tokenizer, sft_pairs):
+    config = SFTConfig(learning_rate=3e-3, max_steps=6, batch_size=16, warmup_steps=2)
+
+    def fresh():
+        return build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                                seed=0).double()
+
+    losses = sft_train(fresh(), tokenizer, sft_pairs, config, seed=3, progress=False)
+    reference = padded_reference_losses(fresh(), tokenizer, sft_pairs, config, seed=3)
+    # transformers' loss rounds to float32; the float64 weights keep the two loops together.
+    assert losses == pytest.approx(reference, rel=1e-6)
+    assert losses[-1] < losses[0]
+
+
+def test_sft_train_pads_when_packing_would_mix_examples(tokenizer, sft_pairs, capsys):
+    config = SFTConfig(learning_rate=3e-3, max_steps=3, batch_size=16, warmup_steps=1)
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    reference_model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                                       seed=0)
+    losses = sft_train(AttentionThatIgnoresPositions(model), tokenizer, sft_pairs, config, progress=False)
+    assert "pads one example per row" in capsys.readouterr().err
+    # Padded rows: the very loop that ran before packing, bit for bit.
+    assert losses == padded_reference_losses(reference_model, tokenizer, sft_pairs, config)
+
