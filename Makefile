@@ -50,7 +50,7 @@ $(VLLM_VENV): $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and not slow"
 
-# The full demo with rollout.engine=vllm (+15 points at seed 0); minutes on a CPU.
+# The full demo with rollout.engine=vllm (+15 points at seed 0); about 5 minutes on 2 CPU cores.
 test-vllm-slow: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and slow"
 

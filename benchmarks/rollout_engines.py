@@ -179,11 +179,11 @@ def equivalence(args) -> None:
         raise SystemExit(f"--equivalence: {checkpoint} does not exist; run `grpokit demo --output-dir RUN_DIR` first")
     config_path = os.path.join(args.equivalence, "config.yaml")
     config = load_config(config_path if os.path.isfile(config_path) else None)
-    heldout = ChainTask(load_config()).data(None, sft=False).heldout
+    heldout = ChainTask(config).data(None, sft=False).heldout
     prompts = [row["prompt"] for row in heldout]
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=0.0)
+    params = SamplingParams(max_new_tokens=config.grpo.max_completion_length, temperature=0.0)
     start = time.perf_counter()
     hf = HFEngine(model, tokenizer).generate(prompts, 1, params)
     hf_s = time.perf_counter() - start

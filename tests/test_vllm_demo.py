@@ -1,4 +1,4 @@
-"""The demo learns with vLLM sampling its rollouts: the full run, as `make test-vllm` runs it."""
+"""The demo learns with vLLM sampling its rollouts: the full run, as `make test-vllm-slow` runs it in CI."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-# On two shared CPU cores the full demo with vLLM takes tens of minutes; this bounds a hung run.
+# The full demo with vLLM takes about 5 minutes on two CPU cores; this bounds a hung run.
 DEMO_TIMEOUT_S = 3600
 
 pytestmark = [
