@@ -88,14 +88,14 @@ def token_logprobs(
     completion_length = input_ids.shape[1] - prompt_length
     split = backbone_and_head(model)
     # Length of each row up to its last attended token; rows are taken in order of it.
-    # (Meta tensors hold no values to sort or cut by: every column is computed.)
-    full = torch.full((input_ids.shape[0],), input_ids.shape[1], device=attention_mask.device)
-    ends = full if attention_mask.is_meta else attended_ends(attention_mask).clamp(min=prompt_length + 1)
-    order = ends.argsort(stable=True) if input_ids.shape[0] > micro_batch_size and not ends.is_meta else None
+    ends = order = None  # meta tensors hold no values to sort or cut by: every column is computed
+    if not attention_mask.is_meta:
+        ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
+        order = ends.argsort(stable=True) if input_ids.shape[0] > micro_batch_size else None
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size) if order is None else order[start : start + micro_batch_size]
-        width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
+        width = input_ids.shape[1] if ends is None else int(ends[rows].max())
         ids = input_ids[rows, :width].to(device)
         mask = attention_mask[rows, :width].to(device)
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)

@@ -60,6 +60,7 @@ class TokenizedExamples:
     labels: torch.Tensor  # [total tokens], -100 on prompt tokens
     starts: list[int]
     lengths: list[int]
+    prompt_lengths: list[int]
 
     @classmethod
     def of(cls, data: list[tuple[list[int], int]]) -> TokenizedExamples:
@@ -69,7 +70,7 @@ class TokenizedExamples:
             starts.append(starts[-1] + n)
         ids = torch.tensor([t for seq, _ in data for t in seq])
         labels = torch.tensor([IGNORE if i < prompt_len else t for seq, prompt_len in data for i, t in enumerate(seq)])
-        return cls(ids, labels, starts, lengths)
+        return cls(ids, labels, starts, lengths, [prompt_len for _, prompt_len in data])
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -125,18 +126,9 @@ def packed_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -
 
 
 def padded_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """The same examples right-padded one per row (what `collate` builds)."""
-    seqs = [(examples.ids[s : s + n], examples.labels[s : s + n])
-            for s, n in ((examples.starts[i], examples.lengths[i]) for i in indices)]
-    width = max(len(ids) for ids, _ in seqs)
-    ids = torch.full((len(seqs), width), pad_id)
-    labels = torch.full((len(seqs), width), IGNORE)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, (seq_ids, seq_labels) in enumerate(seqs):
-        ids[row, : len(seq_ids)] = seq_ids
-        labels[row, : len(seq_ids)] = seq_labels
-        mask[row, : len(seq_ids)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    """The same examples right-padded one per row, as `collate` lays them out."""
+    return collate([(examples.ids[examples.starts[i] : examples.starts[i] + examples.lengths[i]].tolist(),
+                     examples.prompt_lengths[i]) for i in indices], pad_id)
 
 
 @torch.no_grad()
