@@ -22,8 +22,10 @@ class RolloutEngine(Protocol):
         """G completions per prompt, groups contiguous; `seeds` holds one per completion.
         A completion ends after the first of `params.stop` it writes, the stop string kept."""
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load `model`'s current weights into the engine."""
+    copies_weights: bool  # holds its own copy of the weights, so each update must be pushed to it
+
+    def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
+        """Load `model`'s current weights (or `state_dict`, named as in `model`) into the engine."""
 
 
 class HFEngine:
@@ -31,13 +33,15 @@ class HFEngine:
     so a sync only re-points the engine. Draws from torch's global RNG (per-request seeds are
     a vLLM feature; the run's seed fixes the whole sequence here)."""
 
+    copies_weights = False
+
     def __init__(self, model: torch.nn.Module, tokenizer):
         self.model, self.tokenizer = model, tokenizer
 
     def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
         return sample_groups(self.model, self.tokenizer, prompts, num_generations, params, rows)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         self.model = model
 
 

@@ -69,6 +69,8 @@ class VLLMEngine:
     enforce_eager: no CUDA graphs / compilation (faster start, slower decoding on GPU).
     """
 
+    copies_weights = True
+
     def __init__(
         self,
         model: torch.nn.Module,

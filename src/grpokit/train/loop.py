@@ -230,11 +230,11 @@ class Trainer:
         rollout, loss_mask = self.on_policy_device(rollout, result)
         stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
         t = time.perf_counter()
-        if isinstance(self.engine, HFEngine):  # generate samples from the live policy: nothing to copy
-            self.engine.sync_weights(self.model)
-        else:  # the next step samples from the updated policy
+        if self.engine.copies_weights:  # the next step samples from the updated policy
             self.engine.sync_weights(self.model, state_dict=self.engine_weights())
             timings["rollout/sync_time_s"] = time.perf_counter() - t
+        else:  # it samples from the policy object itself: only re-point it
+            self.engine.sync_weights(self.model)
         self.global_step += 1
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
         if self._nonfinite_streak >= cfg.max_nonfinite_steps:
