@@ -206,6 +206,9 @@ def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
     check_world_size(config, 3)
     with pytest.raises(ConfigError, match=r"prompts_per_step=6.*4 processes \(the world size\)"):
         check_world_size(config, 4)
+    config.distributed.fsdp = "off"
+    with pytest.raises(ConfigError, match="3 separate models"):
+        check_world_size(config, 3)
 
 
 # --------------------------------------------------------------------------- torchrun end to end
@@ -362,3 +365,12 @@ def test_when_one_process_dies_the_other_stops_with_a_message_and_no_half_checkp
 
     for step in checkpoints.glob("step-*"):
         assert verify_checkpoint(step) == []
+
+
+def test_torchrun_refuses_a_batch_the_world_size_does_not_split_before_any_model_loads(tmp_path):
+    done = subprocess.run(torchrun(2, "train", f"--output_dir={tmp_path / 'run'}", "--prompts_per_step=3", "--quiet"),
+                          env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "grpo.prompts_per_step=3 does not split into whole groups over 2 processes" in done.stderr
+    assert "parameters" not in done.stdout  # no model was loaded
+    assert not (tmp_path / "run").exists()
