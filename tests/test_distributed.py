@@ -101,12 +101,34 @@ def sft_losses(shard: bool) -> list[float]:
     return sft_train(model, tokenizer, demos, SFTConfig(max_steps=2, batch_size=8, warmup_steps=0), progress=False)
 
 
+def sharded_logprob_tiles(rollout) -> dict:
+    """A sharded policy's log-probs go through its own forward with the head tiled: the largest
+    number of positions the head saw at once, and the largest difference from the plain model's."""
+    from grpokit.models.sharding import fsdp_root, shard_model
+    from grpokit.rollout.logprobs import token_logprobs
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    plain, sharded = tiny(tokenizer), shard_model(tiny(tokenizer))
+    args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 0.7, 8)
+    expected, _ = token_logprobs(plain, *args, chunk_size=16)
+    seen = []
+    hook = fsdp_root(sharded).get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: seen.append(output.shape[:-1].numel()))
+    logp, entropy = token_logprobs(sharded, *args, with_entropy=True, chunk_size=16)
+    hook.remove()
+    return {"max_positions": max(seen), "calls": len(seen), "difference": float((logp - expected).abs().max()),
+            "entropy": entropy is not None and entropy.shape == logp.shape}
+
+
 def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     assert distributed.init(timeout_s=120)
     try:
+        tiles = sharded_logprob_tiles(batch[1])
+        if rank == 0:
+            torch.save(tiles, os.path.join(out_dir, "tiles.pt"))
         for aggregation, lora in CASES:
             state = one_step(*batch, aggregation, lora, rank, world, shard=True, micro_batch_size=3,
                              run_dir=os.path.join(out_dir, f"rank{rank}"))
@@ -151,6 +173,12 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
             torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,
                                        msg=lambda m, k=k: f"{aggregation}, {k}: {m}")
 
+    # Under FSDP2 the head saw tiles of at most chunk_size positions, never the whole batch's logits.
+    tiles = torch.load(tmp_path / "tiles.pt")
+    print(f"sharded log-probs: {tiles}")
+    assert tiles["max_positions"] <= 16 and tiles["calls"] > 2 and tiles["entropy"]
+    assert tiles["difference"] < 1e-5
+
     # SFT: each process's share of the batch over the whole batch's token count (uneven lengths)
     two, one = torch.load(tmp_path / "sft.pt"), sft_losses(shard=False)
     print(f"sft: losses on 2 processes {two}, on 1 process {one}")
@@ -178,6 +206,9 @@ def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
     check_world_size(config, 3)
     with pytest.raises(ConfigError, match=r"prompts_per_step=6.*4 processes \(the world size\)"):
         check_world_size(config, 4)
+    config.distributed.fsdp = "off"
+    with pytest.raises(ConfigError, match="3 separate models"):
+        check_world_size(config, 3)
 
 
 # --------------------------------------------------------------------------- torchrun end to end
@@ -334,3 +365,12 @@ def test_when_one_process_dies_the_other_stops_with_a_message_and_no_half_checkp
 
     for step in checkpoints.glob("step-*"):
         assert verify_checkpoint(step) == []
+
+
+def test_torchrun_refuses_a_batch_the_world_size_does_not_split_before_any_model_loads(tmp_path):
+    done = subprocess.run(torchrun(2, "train", f"--output_dir={tmp_path / 'run'}", "--prompts_per_step=3", "--quiet"),
+                          env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "grpo.prompts_per_step=3 does not split into whole groups over 2 processes" in done.stderr
+    assert "parameters" not in done.stdout  # no model was loaded
+    assert not (tmp_path / "run").exists()

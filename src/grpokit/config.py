@@ -503,6 +503,9 @@ def check_world_size(config: Config, world_size: int) -> None:
             f"grpo.prompts_per_step={g.prompts_per_step} does not split into whole groups over {world_size} "
             f"processes (the world size): set grpo.prompts_per_step to a multiple of {world_size}, or start "
             f"torchrun with a --nproc_per_node that divides {g.prompts_per_step}")
+    if config.distributed.fsdp == "off":
+        raise ConfigError(f"distributed.fsdp=off with {world_size} processes would train {world_size} separate "
+                          "models (nothing sums their gradients): set distributed.fsdp to auto or on")
     unsupported = [
         (g.dynamic_sampling, "grpo.dynamic_sampling"),
         (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),

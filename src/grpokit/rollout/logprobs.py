@@ -9,9 +9,13 @@ N x (P + T) x vocab logits. When gradients are on, each tile runs under activati
 checkpointing: backward recomputes that tile's logits rather than every tile keeping its own,
 and builds the tile's gradient, onehot(target) - softmax, in a single buffer.
 
-Other models, and models sharded with FSDP2 (whose root must run its own forward to gather
-the embeddings and the head), run their own forward (asking for the last T + 1 logits only,
-where the forward accepts `logits_to_keep`) and their logits go through the same tiles.
+A model sharded with FSDP2 must run its root's own forward, which gathers the embeddings and
+the head: for the same model types its head is swapped, for that one forward, for a module
+that applies the real head in the same tiles, so no vocabulary-sized tensor of the whole
+batch exists there either.
+
+Other models run their own forward (asking for the last T + 1 logits only, where the forward
+accepts `logits_to_keep`) and their logits go through the same tiles.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def token_logprobs(
     device = next(model.parameters()).device
     completion_length = input_ids.shape[1] - prompt_length
     split = backbone_and_head(model)
+    tiled_root = _sharded_root_with_plain_head(model) if split is None else None
     # Length of each row up to its last attended token; rows are taken in order of it.
     ends = order = None  # meta tensors hold no values to sort or cut by: every column is computed
     if not attention_mask.is_meta:
@@ -103,6 +108,12 @@ def token_logprobs(
         if split is not None:
             decoder, head, softcap = split
             features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
+        elif tiled_root is not None:
+            logp, entropy = _tiled_forward(model, tiled_root, inputs, ids[:, prompt_length:], temperature,
+                                           with_entropy, chunk_size)
+            logps.append(logp)
+            entropies.append(entropy)
+            continue
         else:
             kept = width - prompt_length  # completion columns of this micro-batch
             if _accepts_logits_to_keep(model):
@@ -147,6 +158,57 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     if decoder is model or not isinstance(head, torch.nn.Module):
         return None
     return decoder, head, getattr(config, "final_logit_softcapping", None)
+
+
+def _sharded_root_with_plain_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP2 root whose head can be tiled inside its own forward, or None: a sharded model of a
+    known plain-head type without logit softcapping (its forward would softcap what the head returns)."""
+    from grpokit.models.sharding import fsdp_root
+
+    config = getattr(model, "config", None)
+    if not _is_fsdp(model) or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    root = fsdp_root(model)
+    if not (hasattr(root, "get_output_embeddings") and hasattr(root, "set_output_embeddings")
+            and _accepts_logits_to_keep(root)):
+        return None
+    return root if isinstance(root.get_output_embeddings(), torch.nn.Module) else None
+
+
+class _TiledHead(torch.nn.Module):
+    """Stands in for the LM head during one forward: the real head applied in tiles to the
+    features that predict `targets`, returning their log-probs [rows, T] (entropy kept aside)."""
+
+    def __init__(self, head: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                 chunk_size: int):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not registered: the head stays where FSDP2 placed it
+        self.targets, self.temperature, self.with_entropy, self.chunk_size = targets, temperature, with_entropy, \
+            chunk_size
+        self.entropy: torch.Tensor | None = None
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        # features: the last T + 1 positions; position c predicts token c + 1
+        logp, self.entropy = _chunked_stats(self.head, None, features[:, :-1], self.targets, self.temperature,
+                                            self.with_entropy, self.chunk_size)
+        return logp
+
+
+def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, targets: torch.Tensor,
+                   temperature: float, with_entropy: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy) of `targets` through the model's own forward with its head tiled. The root
+    keeps its gathered parameters from forward through backward (FSDP2 does not reshard the root
+    after forward), so each tile's recomputation in backward sees the same head."""
+    head = root.get_output_embeddings()
+    tiled = _TiledHead(head, targets, temperature, with_entropy, chunk_size)
+    root.set_output_embeddings(tiled)
+    try:
+        logp = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits
+    finally:
+        root.set_output_embeddings(head)
+    return logp, tiled.entropy
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:

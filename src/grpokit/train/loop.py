@@ -153,6 +153,9 @@ class Trainer:
         self.model, self.tokenizer, self.rewards = model, tokenizer, rewards
         self.device = model_device(model)
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        if self.world_size > 1 and not is_sharded(model):
+            raise ValueError(f"{self.world_size} processes train one policy only when it is sharded "
+                             "(grpokit.models.sharding.shard_model), which sums their gradients")
         if config.prompts_per_step % self.world_size:
             raise ValueError(f"grpo.prompts_per_step={config.prompts_per_step} does not split into whole groups "
                              f"over {self.world_size} processes; make it a multiple of the world size")
