@@ -62,6 +62,17 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP2 unit of `model` back to its sharded parameters (a no-op for a plain model).
+    The root stays unsharded after a forward that no backward follows, with plain tensors
+    registered in place of its DTensor shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_state_dict(model: torch.nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
     """The plain (unsharded) state dict, on the CPU. Collective for a sharded model: every
     process must call it; the tensors come back on rank 0 only unless `everywhere`."""

@@ -8,6 +8,12 @@ import torch
 
 
 def make_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
+    from grpokit.models.sharding import reshard
+
+    # A sharded model's optimizer must hold its shards: a forward without backward (evaluation,
+    # generation) leaves the FSDP2 root's parameters swapped for unsharded copies, which no
+    # update would then reach.
+    reshard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
