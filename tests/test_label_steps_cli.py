@@ -38,3 +38,16 @@ def test_the_demo_prm_can_take_its_labels_from_rollouts(tmp_path):
             "--grpo.max_steps=2", *TINY, *TINY_RM, *LABELS)
     round0 = [json.loads(line) for line in (out / "reward_model_data" / "round-0.jsonl").read_text().splitlines()]
     assert round0 and all(len(r["steps"]) == len(r["labels"]) for r in round0)
+
+
+def test_label_skip_uniform_false_rolls_out_every_question(tmp_path):
+    """reward_model.label_skip_uniform=false: no question skips its rollouts, so all-wrong
+    questions get every step labelled (the untrained tiny model gets every question wrong)."""
+    runs = {}
+    for skip in ("true", "false"):
+        grpokit("label-steps", "--output-dir", str(tmp_path / skip), "--out", str(tmp_path / f"{skip}.jsonl"), *TINY,
+                *TINY_RM, *LABELS, f"--reward_model.label_skip_uniform={skip}")
+        runs[skip] = json.loads((tmp_path / skip / "label_steps_stats.json").read_text())
+    assert runs["true"]["skipped_uniform"] > 0 and runs["false"]["skipped_uniform"] == 0
+    assert runs["false"]["rollouts_sampled"] > runs["true"]["rollouts_sampled"]
+    assert runs["false"]["unlabelled_steps"] < runs["true"]["unlabelled_steps"]

@@ -224,6 +224,9 @@ class RewardModelConfig:
         "rule", "where process labels come from: rule (the task's step checker) or rollouts (Math-Shepherd: a step "
                 "is right when one of label_rollouts completions of its prefix reaches the reference answer)")
     label_rollouts: int = opt(8, "rollouts labels: completions sampled from each step prefix")
+    label_skip_uniform: bool = opt(
+        True, "rollouts labels: a question whose samples are all right (or all wrong) gets no rollouts; false "
+              "rolls those out too, which labels every step of all-wrong questions at N rollouts per step prefix")
 
 
 @dataclass

@@ -15,6 +15,7 @@ libraries: the same in every setup). Each process writes {"rank", "world_size",
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import time
@@ -28,6 +29,12 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return
+    # glibc keeps freed blocks resident (the full weights each process built before sharding, for
+    # one): hand them back first, so the peak counts live memory, as max_memory_allocated does on CUDA.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak then includes the allocator's cache
+        pass
     with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current resident size
         f.write("5")
 

@@ -183,7 +183,8 @@ def rollout_step_examples(engine, rows: list[dict], completions: list[str], grad
     grouped = list(by_prompt.values())
     records, stats = label_steps([r for r, _ in grouped], [c for _, c in grouped], complete, grade,
                                  config.label_rollouts, config.step_delimiter,
-                                 batch_size=max(1, 512 // config.label_rollouts))
+                                 batch_size=max(1, 512 // config.label_rollouts),
+                                 skip_uniform=config.label_skip_uniform)
     return [StepLabelledSample(r["prompt"], tuple(r["steps"]), tuple(r["labels"])) for r in records], stats
 
 
