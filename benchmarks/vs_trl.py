@@ -3,6 +3,9 @@
     pip install -e ".[bench]"         # grpokit + trl
     python benchmarks/vs_trl.py                          # both configs, 40 steps, 2 alternating pairs
     python benchmarks/vs_trl.py --configs tiny --steps 30 --json results.json
+    # 113M parameters, 128-token completions: TRL vs grpokit with generate vs grpokit with vLLM
+    # (in .venv-vllm with trl installed; VLLM_ENABLE_V1_MULTIPROCESSING=0 is set for the workers)
+    python benchmarks/vs_trl.py --configs 113m --frameworks trl,grpokit,grpokit-vllm --steps 3 --warmup 1 --pairs 1
 
 What runs
 ---------
@@ -45,9 +48,9 @@ step:     TRL: on_step_begin -> on_step_end callback (generation, rewards, refer
 generate: time inside the policy's `model.generate` (an instance-level timer in both).
 score+ref: the rest of the rollout stage: prompt tokenizing, decoding, rewards, advantages,
           reference log-probs (TRL: `_generate_and_score_completions` minus generate;
-          grpokit: step minus generate minus `_update`).
+          grpokit: step minus generate minus `Trainer.update`).
 update:   policy forward + backward + clip + optimizer step (TRL: step minus
-          `_generate_and_score_completions`; grpokit: `_update`).
+          `_generate_and_score_completions`; grpokit: `Trainer.update`).
 The median skips the first `--warmup` steps of every run; the reward is the mean batch
 reward over the last 20 steps of each run, averaged over runs.
 """
@@ -73,7 +76,13 @@ CONFIGS = {
              "prompts": 8, "generations": 8, "max_new_tokens": 8},
     "small": {"hidden_size": 256, "num_layers": 6, "num_heads": 4, "intermediate_size": 1024,
               "prompts": 8, "generations": 8, "max_new_tokens": 32},
+    # random init (no SFT), its head scaled so that EOS is never drawn: every completion runs the full
+    # 128 tokens in all three trainers, so they do the same work (rewards are all 0 here)
+    "113m": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
+             "prompts": 4, "generations": 4, "max_new_tokens": 128, "eos_free": True},
 }
+FRAMEWORKS = {"trl": "TRL", "grpokit": "grpokit+hf", "grpokit-vllm": "grpokit+vllm"}
+EOS_FREE_LOGIT_STD = 4.0  # head logit scale that makes a zero EOS logit ~never sampled
 BETA, EPSILON = 0.04, 0.2
 REWARD_WINDOW = 20
 
@@ -95,6 +104,7 @@ def _thread_env(threads: int) -> dict:
     env["TRANSFORMERS_VERBOSITY"] = "error"
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_DATASETS_OFFLINE"] = "1"
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # grpokit-vllm: the engine in the worker's process
     return env
 
 
@@ -174,6 +184,11 @@ def prepare(name: str, workdir: Path, sft_steps: int, seed: int, threads: int, n
         losses = sft_train(model, tokenizer, [(r["prompt"], r["solution"]) for r in sft_rows],
                            SFTConfig(max_steps=sft_steps, warmup_steps=min(30, sft_steps // 5 + 1)),
                            seed=seed, progress=False)
+    if shape.get("eos_free"):
+        with torch.no_grad():  # the final norm leaves unit-scale features: logit std = row std * sqrt(hidden)
+            head = model.get_output_embeddings().weight
+            head.normal_(0.0, EOS_FREE_LOGIT_STD / shape["hidden_size"] ** 0.5)
+            head[tokenizer.eos_token_id] = 0.0
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -232,15 +247,24 @@ def run_grpokit(args) -> dict:
     )
     rewards = [WeightedReward("chain_accuracy", arithmetic.chain_accuracy, 1.0, 60.0)]  # grpokit's defaults
     run_dir = Path(args.run_dir)
+    engine = None
+    if args.framework == "grpokit-vllm":  # colocated vLLM, weights pushed after every update
+        from grpokit.rollout.vllm import VLLMEngine
+
+        engine = VLLMEngine(model, tokenizer, max_model_len=256 + shape["max_new_tokens"], kv_cache_gb=1.0,
+                            dtype="float32", seed=args.seed)
     trainer = GRPOTrainer(model, tokenizer, rewards, _load_rows(args.data), config, run_dir, seed=args.seed,
-                          progress=False)
+                          progress=False, engine=engine)
     if trainer.ref_model is None or trainer.ref_model is trainer.model:
         raise RuntimeError("grpokit did not build a separate reference model")
     _check_fp32(trainer.model, trainer.ref_model)
 
     timer = Timer()
-    model.generate = timer.wrap("generate", model.generate)
-    trainer._update = timer.wrap("update", trainer._update)
+    if engine is None:
+        model.generate = timer.wrap("generate", model.generate)
+    else:  # the engine's whole generate call (the weight sync after each update counts in score+ref)
+        engine.generate = timer.wrap("generate", engine.generate)
+    trainer.update = timer.wrap("update", trainer.update)
     per_step: list[dict] = []
     original_step = trainer.step
 
@@ -400,7 +424,9 @@ def median(xs):
 
 def summarize(name: str, runs: list[dict], warmup: int, info: dict) -> dict:
     out = {"config": name, "parameters": info["parameters"], **CONFIGS[name]}
-    for fw in ("trl", "grpokit"):
+    frameworks = [fw for fw in FRAMEWORKS if any(r["framework"] == fw for r in runs)]
+    out["frameworks"] = frameworks
+    for fw in frameworks:
         mine = [r for r in runs if r["framework"] == fw]
         timed = [s for r in mine for s in r["steps"][warmup:]]
         rewards = [statistics.fmean([s["reward"] for s in r["steps"][-REWARD_WINDOW:]]) for r in mine]
@@ -416,29 +442,31 @@ def summarize(name: str, runs: list[dict], warmup: int, info: dict) -> dict:
             "mean_completion_length": statistics.fmean(s["completion_length"] for s in timed) if timed else None,
             "threads": sorted({s["threads"] for s in timed}),
         }
-        if fw == "grpokit":
+        if fw != "trl":
             out[fw]["median_perf_rollout_time_s"] = median([s["perf/rollout_time_s"] for s in timed])
-    out["ratio"] = out["grpokit"]["median_step_s"] / out["trl"]["median_step_s"]
-    out["ratio_per_pair"] = [g / t for t, g in zip(out["trl"]["median_step_s_per_run"],
-                                                  out["grpokit"]["median_step_s_per_run"])]
+            out[fw]["ratio"] = out[fw]["median_step_s"] / out["trl"]["median_step_s"]
+            out[fw]["ratio_per_pair"] = [g / t for t, g in zip(out["trl"]["median_step_s_per_run"],
+                                                              out[fw]["median_step_s_per_run"])]
     return out
 
 
 def table(results: list[dict]) -> str:
     w = f"last {REWARD_WINDOW}"
     lines = [
-        (f"| config | params | prompts x G, new tokens | TRL s/step | grpokit s/step | ratio grpokit/TRL "
-         f"(per pair) | TRL reward ({w}) | grpokit reward ({w}) |"),
-        "|---|---|---|---|---|---|---|---|",
+        (f"| config | params | prompts x G, new tokens | trainer | s/step | ratio to TRL (per pair) | "
+         f"reward ({w}) |"),
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        pairs = ", ".join(f"{x:.2f}" for x in r["ratio_per_pair"])
-        lines.append(
-            f"| {r['config']} | {r['parameters'] / 1e6:.2f}M | {r['prompts']} x {r['generations']}, "
-            f"{r['max_new_tokens']} | {r['trl']['median_step_s']:.3f} | {r['grpokit']['median_step_s']:.3f} | "
-            f"**{r['ratio']:.2f}** ({pairs}) | {r['trl'][f'reward_last{REWARD_WINDOW}']:.3f} | "
-            f"{r['grpokit'][f'reward_last{REWARD_WINDOW}']:.3f} |"
-        )
+        for fw in r["frameworks"]:
+            d = r[fw]
+            ratio = "1" if fw == "trl" else \
+                f"**{d['ratio']:.2f}** ({', '.join(f'{x:.2f}' for x in d['ratio_per_pair'])})"
+            lines.append(
+                f"| {r['config']} | {r['parameters'] / 1e6:.2f}M | {r['prompts']} x {r['generations']}, "
+                f"{r['max_new_tokens']} | {FRAMEWORKS[fw]} | {d['median_step_s']:.3f} | {ratio} | "
+                f"{d[f'reward_last{REWARD_WINDOW}']:.3f} |"
+            )
     lines += [
         "",
         ("Where a step's time goes (medians, seconds; score+ref = tokenize/decode, rewards, advantages, "
@@ -448,8 +476,8 @@ def table(results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        for fw, label in (("trl", "TRL"), ("grpokit", "grpokit")):
-            d = r[fw]
+        for fw in r["frameworks"]:
+            d, label = r[fw], FRAMEWORKS[fw]
             step = d["median_step_s"]
 
             def cell(v, step=step):
@@ -483,6 +511,9 @@ def driver(args) -> None:
     if args.steps <= args.warmup:
         sys.exit("--steps must exceed --warmup")
     sft_steps = parse_sft_steps(args.sft_steps, names)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    if "trl" not in frameworks or any(f not in FRAMEWORKS for f in frameworks):
+        sys.exit(f"--frameworks must name trl and any of {sorted(FRAMEWORKS)}")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="grpokit-vs-trl-"))
     workdir.mkdir(parents=True, exist_ok=True)
     env = _thread_env(args.threads)
@@ -494,7 +525,7 @@ def driver(args) -> None:
               f"(loss {info['sft_final_loss']}) -> {info['model_dir']}", flush=True)
         runs = []
         for pair in range(args.pairs):
-            for fw in ("trl", "grpokit"):  # alternate: TRL, grpokit, TRL, grpokit, ...
+            for fw in frameworks:  # alternate: TRL, grpokit, TRL, grpokit, ...
                 run_dir = workdir / f"{name}-{fw}-{pair}"
                 out = workdir / f"{name}-{fw}-{pair}.json"
                 wanted = {"framework": fw, "config": name, "model_dir": info["model_dir"], "steps": args.steps,
@@ -545,7 +576,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":
         p = argparse.ArgumentParser(prog="vs_trl.py _worker")
-        p.add_argument("--framework", choices=["trl", "grpokit"], required=True)
+        p.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
         p.add_argument("--config", choices=sorted(CONFIGS), required=True)
         for key in ("--model-dir", "--data", "--run-dir", "--out"):
             p.add_argument(key, required=True)
@@ -569,8 +600,11 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=5e-5, help="constant AdamW learning rate of both (default 5e-5)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", default="tiny=200,small=150",
-                   help="grpokit SFT steps before GRPO: one number, or per config (default tiny=200,small=150)")
+    p.add_argument("--frameworks", default="trl,grpokit",
+                   help="comma-separated, from trl, grpokit (its hf engine) and grpokit-vllm (needs vllm: run in "
+                        ".venv-vllm with VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    p.add_argument("--sft-steps", default="tiny=200,small=150,113m=0",
+                   help="grpokit SFT steps before GRPO: one number, or per config (default tiny=200,small=150,113m=0)")
     p.add_argument("--rl-questions", type=int, default=5000, help="RL prompts in the shared dataset")
     p.add_argument("--reuse", action="store_true",
                    help="reuse finished runs in --workdir whose settings match (to resume an interrupted benchmark)")
