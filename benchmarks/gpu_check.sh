@@ -2,7 +2,9 @@
 # The vLLM rollout engine on one CUDA GPU, in under 5 minutes:
 #   1. the demo with rollout.engine=vllm and sleep mode on (GRPO must lift held-out accuracy);
 #   2. generation tokens/s of a random-init Qwen2 with Qwen2-0.5B's shapes in bf16, hf vs vllm;
-#   3. GRPO step time of that policy, grpokit+hf vs grpokit+vllm (perf/step_time_s, median).
+#   3. GRPO step time of that policy, grpokit+hf vs grpokit+vllm (perf/step_time_s, median);
+#   4. that policy in bf16 under FSDP2 (torchrun, world size 1) with LoRA and gradient checkpointing:
+#      4 GRPO steps, their step time and the adapter checkpoint.
 # Needs a venv with a CUDA torch, vllm and grpokit (`pip install -e .[vllm]`); PYTHON picks it.
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]
 set -euo pipefail
@@ -49,5 +51,18 @@ for engine in ("hf", "vllm"):
     rollout = [r["perf/rollout_time_s"] for r in rows if "perf/rollout_time_s" in r][1:]
     print(f"grpokit+{engine}: step {statistics.median(steps):.2f} s (median of {len(steps)}), "
           f"of which rollout {statistics.median(rollout):.2f} s")
+EOF
+echo "== 4. FSDP2 (world size 1), LoRA r=16, gradient checkpointing, bf16, same policy and batch"
+timeout 150 "$PY" -m torch.distributed.run --nproc_per_node=1 -m grpokit train \
+    --model.name_or_path="$OUT/qwen2-0.5b" --model.dtype=bf16 --distributed.fsdp=on \
+    --model.lora.r=16 --model.lora.alpha=32 --model.gradient_checkpointing=true \
+    --output_dir="$OUT/fsdp-lora" "${STEP_ARGS[@]}"
+"$PY" - "$OUT/fsdp-lora" <<'EOF'
+import json, os, statistics, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+steps = [r["perf/step_time_s"] for r in rows][1:]
+adapter = os.path.join(sys.argv[1], "checkpoints", "step-4", "adapter_model.safetensors")
+print(f"FSDP2 + LoRA + gradient checkpointing: {len(rows)} steps, step {statistics.median(steps):.2f} s "
+      f"(median after the first); adapter saved: {os.path.isfile(adapter)}")
 EOF
 echo "total: $SECONDS s; results under $OUT"

@@ -50,6 +50,19 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
         load_config(path)
 
 
+def test_on_and_off_stay_words_where_the_key_takes_them(tmp_path):
+    """YAML 1.1 reads on/off (and yes/no) as booleans; the keys whose values are on/off still get the word."""
+    c = load_config(overrides=["--distributed.fsdp=on", "--data.chat_template=off"])
+    assert c.distributed.fsdp == "on" and c.data.chat_template == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("distributed:\n  fsdp: off\ndata:\n  chat_template: yes\n")
+    c = load_config(path)
+    assert c.distributed.fsdp == "off" and c.data.chat_template == "on"
+    with pytest.raises(ConfigError, match="eval.before"):  # a real boolean key is left alone
+        load_config(overrides=["--eval.before=maybe"])
+    assert load_config(overrides=["--eval.before=off"]).eval.before is False
+
+
 def test_round_trip(tmp_path):
     c = load_config(overrides=["--epsilon_high=0.3", "--seed=7"])
     save_config(c, tmp_path / "config.yaml")

@@ -344,9 +344,26 @@ def from_dict(cls, data: dict):
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping, got {data!r}")
     try:
-        return pydantic.TypeAdapter(cls).validate_python(data)
+        return pydantic.TypeAdapter(cls).validate_python(_yaml_switches(cls, data))
     except pydantic.ValidationError as err:
         raise _config_error(err, cls) from None
+
+
+def _yaml_switches(cls, data):
+    """`data` with the booleans YAML makes of on/off (and yes/no) turned back into "on"/"off" where
+    the key takes those words: `distributed.fsdp: on` and `--distributed.fsdp=on` mean "on"."""
+    if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in data.items():
+        tp = hints.get(key)
+        if isinstance(value, bool) and typing.get_origin(tp) is Literal and {"on", "off"} <= set(typing.get_args(tp)):
+            value = "on" if value else "off"
+        elif dataclasses.is_dataclass(tp):
+            value = _yaml_switches(tp, value)
+        out[key] = value
+    return out
 
 
 def _leaf_paths(cls, prefix: str = "") -> dict[str, tuple]:
