@@ -4,7 +4,8 @@
     python benchmarks/vs_trl.py                          # both configs, 40 steps, 2 alternating pairs
     python benchmarks/vs_trl.py --configs tiny --steps 30 --json results.json
     # 113M parameters, 128-token completions: TRL vs grpokit with generate vs grpokit with vLLM
-    # (in .venv-vllm with trl installed; VLLM_ENABLE_V1_MULTIPROCESSING=0 is set for the workers)
+    # (in .venv-vllm with trl added: .venv-vllm/bin/pip install trl==1.16.0 datasets -c .venv-vllm/vllm-pins.txt;
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 is set for the workers)
     python benchmarks/vs_trl.py --configs 113m --frameworks trl,grpokit,grpokit-vllm --steps 3 --warmup 1 --pairs 1
 
 What runs
