@@ -1,6 +1,6 @@
 """Rule-based reward vs learned reward models on the demo task, per seed, on one pi_SFT each.
 
-    python benchmarks/reward_models.py --seeds 0,1,2 [--out runs/rm] [--sft-from runs/seed{seed}]
+    python benchmarks/reward_models.py --seeds 0,1,2 [--out runs/rm] [--sft-from runs/seed{seed}] [--jobs 2]
 
 For each seed it runs, in fresh `grpokit demo` subprocesses, each variant below starting from
 the same pi_SFT (`--sft.checkpoint`; the SFT stage is skipped), unless that run's summary.json is
@@ -10,18 +10,28 @@ completions (150 steps x 16 questions x 8), so outcome and process supervision c
   rule       the verifier (the plain demo; read from the --sft-from run's own summary.json)
   orm        --reward model: an outcome RM trained on pi_SFT's graded samples, GRPO's only reward
   prm        --supervision process: a process RM's step scores, process advantages (eq. 6)
-  iterative  --iterative 2: the outcome RM, refreshed once on the new policy's samples (10% replay)
+  orm-iter2  --iterative 2: the outcome RM, refreshed once on the new policy's samples (10% replay);
+             two iterations of 75 steps, so the same 150 steps in all
+  prm-iter2  --supervision process --iterative 2: the same with the process RM
+
+--jobs runs that many variants side by side, one thread each. With --breakdown it also prints each
+initial reward model's held-out accuracy by kind of example, and the issue's targets table: the
+outcome RM's pairwise accuracy (all pairs, and right-worked vs wrong-worked), the process RM's step
+accuracy and share of wrong steps caught, process vs outcome supervision, and 2 iterations vs 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-VARIANTS = {"orm": ["--reward", "model"], "prm": ["--supervision", "process"], "iterative": ["--iterative", "2"]}
+VARIANTS = {"orm": ["--reward", "model"], "prm": ["--supervision", "process"],
+            "orm-iter2": ["--iterative", "2"], "prm-iter2": ["--supervision", "process", "--iterative", "2"]}
 
 
 def run_variant(seed: int, name: str, sft_run: Path, out: Path) -> dict:
@@ -30,7 +40,7 @@ def run_variant(seed: int, name: str, sft_run: Path, out: Path) -> dict:
         cmd = [sys.executable, "-m", "grpokit.cli", "demo", "--quiet", "--seed", str(seed), *VARIANTS[name],
                f"--sft.checkpoint={sft_run / 'checkpoints' / 'sft'}", "--output-dir", str(run_dir)]
         print("+", " ".join(cmd[2:]), file=sys.stderr)
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -43,7 +53,7 @@ def rm_accuracy(summary: dict) -> str:
     return "-"
 
 
-def breakdown(run_dir: Path, seed: int) -> str:
+def breakdown(run_dir: Path, seed: int) -> dict[str, list[bool]]:
     """Held-out accuracy of a run's initial reward model by kind of example: does it verify, or does
     it only know that worked solutions tend to be right? (built-in task; round-0 data, same split)"""
     import torch
@@ -76,7 +86,25 @@ def breakdown(run_dir: Path, seed: int) -> str:
                         what = "direct answer" if len(x.steps) == 1 else ("answer line" if step.startswith("A:")
                                                                           else "chain step")
                         hits.setdefault(f"{what}, {'right' if label else 'wrong'}", []).append((logit > 0) == label)
-    return ", ".join(f"{name} {sum(h) / len(h):.0%} (n={len(h)})" for name, h in sorted(hits.items()))
+    return hits
+
+
+def share(hits: dict[str, list[bool]], keep) -> float:
+    """The share of right calls among the examples whose kind `keep` accepts."""
+    picked = [h for name, group in hits.items() if keep(name) for h in group]
+    return sum(picked) / len(picked) if picked else float("nan")
+
+
+def targets_row(seed: int, results: dict[str, dict], out: Path) -> str:
+    """One seed's line of the targets table."""
+    orm, prm = breakdown(out / f"orm-s{seed}", seed), breakdown(out / f"prm-s{seed}", seed)
+    acc = {name: s["grpo_accuracy"] for name, s in results.items()}
+    worked = share(orm, lambda n: n == "right worked vs wrong worked")
+    return (f"| {seed} | {share(orm, lambda n: True):.1%} | {worked:.1%} "
+            f"| {share(prm, lambda n: True):.1%} | {share(prm, lambda n: n.endswith('wrong')):.1%} "
+            f"| {'yes' if acc['prm'] >= acc['orm'] else 'no'} ({acc['prm']:.1%} vs {acc['orm']:.1%}) "
+            f"| {'yes' if acc['orm-iter2'] >= acc['orm'] else 'no'} ({acc['orm-iter2']:.1%} vs {acc['orm']:.1%}) "
+            f"| {'yes' if acc['prm-iter2'] >= acc['prm'] else 'no'} ({acc['prm-iter2']:.1%} vs {acc['prm']:.1%}) |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-from", default="runs/seed{seed}",
                         help="the plain demo run of each seed: its pi_SFT and its rule-based result")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also: each initial reward model's held-out accuracy by kind of example")
+                        help="also: each initial reward model's held-out accuracy by kind of example, and the "
+                             "targets table")
+    parser.add_argument("--jobs", type=int, default=1, help="variant runs side by side, one thread each")
     args = parser.parse_args(argv)
-    rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        sft_run = Path(args.sft_from.format(seed=seed))
-        rule = json.loads((sft_run / "summary.json").read_text())
-        results = {"rule": rule} | {name: run_variant(seed, name, sft_run, Path(args.out)) for name in VARIANTS}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    todo = [(seed, name) for seed in seeds for name in VARIANTS]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = dict(zip(todo, pool.map(lambda job: run_variant(job[0], job[1], sft_dir(args, job[0]), out), todo)))
+    rows, by_seed = [], {}
+    for seed in seeds:
+        rule = json.loads((sft_dir(args, seed) / "summary.json").read_text())
+        results = by_seed[seed] = {"rule": rule} | {name: done[(seed, name)] for name in VARIANTS}
         for name, s in results.items():
             refresh = s.get("reward_model_refreshes") or []
             after = f" → {rm_accuracy({'reward_model': refresh[-1]})}" if refresh else ""
@@ -104,10 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.breakdown:
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in seeds:
             for name in ("orm", "prm"):
-                print(f"seed {seed} {name}: {breakdown(Path(args.out) / f'{name}-s{seed}', seed)}")
+                hits = breakdown(out / f"{name}-s{seed}", seed)
+                print(f"seed {seed} {name}: " + ", ".join(f"{kind} {sum(h) / len(h):.0%} (n={len(h)})"
+                                                         for kind, h in sorted(hits.items())))
+        print()
+        print("| seed | ORM pairwise (≥ 90%) | ORM right-worked vs wrong-worked (≥ 80%) | PRM steps (≥ 90%) "
+              "| PRM wrong steps caught (≥ 80%) | PS ≥ OS | ORM 2 iterations ≥ 1 | PRM 2 iterations ≥ 1 |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(targets_row(seed, by_seed[seed], out) for seed in seeds))
     return 0
+
+
+def sft_dir(args, seed: int) -> Path:
+    return Path(args.sft_from.format(seed=seed))
 
 
 if __name__ == "__main__":

@@ -309,33 +309,39 @@ def test_stop_strings_end_completions_as_sample_groups_does():
 
 
 def test_after_five_grpo_updates_through_the_engine_its_greedy_completions_equal_generates(
-        engine, trained_policy, tokenizer, chain_rows, tmp_path):
+        trained_policy, tokenizer, chain_rows, tmp_path):
     """Training as `rollout.engine=vllm` does: GRPOTrainer samples every step from the engine and
     pushes the weights after every update. After 5 updates the engine's greedy completions equal
-    `generate`'s on the trained policy, token for token."""
+    `generate`'s on the trained policy, token for token. (Its own engine: one that another test
+    closed takes vLLM's process-wide parallel state with it.)"""
     from grpokit.config import GRPOConfig
     from grpokit.data import arithmetic
     from grpokit.rewards import WeightedReward
+    from grpokit.rollout.vllm import VLLMEngine
     from grpokit.train.grpo import GRPOTrainer
 
     model = copy.deepcopy(trained_policy)  # writes answers and EOS, so completions differ in length
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.sync_weights(model)
-    rewards = [WeightedReward("chain_accuracy", arithmetic.chain_accuracy),
-               WeightedReward("length", lambda prompts, completions, **_: [len(c) / 10 for c in completions], 0.1)]
-    config = GRPOConfig(num_generations=4, prompts_per_step=4, max_completion_length=12, max_steps=5,
-                        learning_rate=1e-3, warmup_steps=0, micro_batch_size=64)
-    trainer = GRPOTrainer(model, tokenizer, rewards, chain_rows, config, tmp_path, seed=0, progress=False,
-                          engine=engine)
-    rows = trainer.train()
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert all(r["rollout/sync_time_s"] > 0 for r in rows)
-    assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())  # the updates moved it
+    engine = VLLMEngine(copy.deepcopy(model), tokenizer, max_model_len=128, kv_cache_gb=0.0625, seed=0)
+    try:
+        rewards = [WeightedReward("chain_accuracy", arithmetic.chain_accuracy),
+                   WeightedReward("length", lambda prompts, completions, **_: [len(c) / 10 for c in completions],
+                                  0.1)]
+        config = GRPOConfig(num_generations=4, prompts_per_step=4, max_completion_length=12, max_steps=5,
+                            learning_rate=1e-3, warmup_steps=0, micro_batch_size=64)
+        trainer = GRPOTrainer(model, tokenizer, rewards, chain_rows, config, tmp_path, seed=0, progress=False,
+                              engine=engine)
+        rows = trainer.train()
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+        assert all(r["rollout/sync_time_s"] > 0 for r in rows)
+        assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())  # the updates moved it
 
-    prompts = PROMPTS + [r["prompt"] for r in chain_rows[:13]]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0)
-    model.eval()
-    expected = sample_groups(model, tokenizer, prompts, 1, params)
-    got = engine.generate(prompts, 1, params)
-    _assert_same_rollout(expected, got)
-    assert len(set(got.completions)) > 1 and not got.truncated.all()
+        prompts = PROMPTS + [r["prompt"] for r in chain_rows[:13]]
+        params = SamplingParams(max_new_tokens=12, temperature=0.0)
+        model.eval()
+        expected = sample_groups(model, tokenizer, prompts, 1, params)
+        got = engine.generate(prompts, 1, params)
+        _assert_same_rollout(expected, got)
+        assert len(set(got.completions)) > 1 and not got.truncated.all()
+    finally:
+        engine.close()
