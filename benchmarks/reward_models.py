@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             after = f" → {rm_accuracy({'reward_model': refresh[-1]})}" if refresh else ""
             rows.append(f"| {seed} | {name} | {rm_accuracy(s)}{after} | {s['sft_accuracy']:.1%} | "
                         f"{s['grpo_accuracy']:.1%} | {100 * (s['grpo_accuracy'] - s['sft_accuracy']):+.1f} pt | "
-                        f"{s['grpo']['maj_at_k']:.1%} | {s['grpo_reasoning_rate']:.0%} |")
+                        f"{s['grpo']['maj_at_k']:.1%} | {s['grpo_shows_its_steps']:.0%} |")
     print("| seed | reward | reward model held-out accuracy | SFT greedy | GRPO greedy | change | GRPO maj@8 "
           "| shows steps |")
     print("|---|---|---|---|---|---|---|---|")
