@@ -95,16 +95,17 @@ def share(hits: dict[str, list[bool]], keep) -> float:
     return sum(picked) / len(picked) if picked else float("nan")
 
 
-def targets_row(seed: int, results: dict[str, dict], out: Path) -> str:
-    """One seed's line of the targets table."""
-    orm, prm = breakdown(out / f"orm-s{seed}", seed), breakdown(out / f"prm-s{seed}", seed)
+def targets_row(seed: int, results: dict[str, dict], orm: dict[str, list[bool]], prm: dict[str, list[bool]]) -> str:
+    """One seed's line of the targets table, from its runs and its reward models' breakdowns."""
     acc = {name: s["grpo_accuracy"] for name, s in results.items()}
+
+    def at_least(name: str, baseline: str) -> str:
+        return f"{'yes' if acc[name] >= acc[baseline] else 'no'} ({acc[name]:.1%} vs {acc[baseline]:.1%})"
+
     worked = share(orm, lambda n: n == "right worked vs wrong worked")
     return (f"| {seed} | {share(orm, lambda n: True):.1%} | {worked:.1%} "
             f"| {share(prm, lambda n: True):.1%} | {share(prm, lambda n: n.endswith('wrong')):.1%} "
-            f"| {'yes' if acc['prm'] >= acc['orm'] else 'no'} ({acc['prm']:.1%} vs {acc['orm']:.1%}) "
-            f"| {'yes' if acc['orm-iter2'] >= acc['orm'] else 'no'} ({acc['orm-iter2']:.1%} vs {acc['orm']:.1%}) "
-            f"| {'yes' if acc['prm-iter2'] >= acc['prm'] else 'no'} ({acc['prm-iter2']:.1%} vs {acc['prm']:.1%}) |")
+            f"| {at_least('prm', 'orm')} | {at_least('orm-iter2', 'orm')} | {at_least('prm-iter2', 'prm')} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,16 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.breakdown:
-        for seed in seeds:
-            for name in ("orm", "prm"):
-                hits = breakdown(out / f"{name}-s{seed}", seed)
-                print(f"seed {seed} {name}: " + ", ".join(f"{kind} {sum(h) / len(h):.0%} (n={len(h)})"
-                                                         for kind, h in sorted(hits.items())))
+        hits = {(seed, name): breakdown(out / f"{name}-s{seed}", seed) for seed in seeds for name in ("orm", "prm")}
+        for (seed, name), by_kind in hits.items():
+            print(f"seed {seed} {name}: " + ", ".join(f"{kind} {sum(h) / len(h):.0%} (n={len(h)})"
+                                                     for kind, h in sorted(by_kind.items())))
         print()
         print("| seed | ORM pairwise (≥ 90%) | ORM right-worked vs wrong-worked (≥ 80%) | PRM steps (≥ 90%) "
               "| PRM wrong steps caught (≥ 80%) | PS ≥ OS | ORM 2 iterations ≥ 1 | PRM 2 iterations ≥ 1 |")
         print("|---|---|---|---|---|---|---|---|")
-        print("\n".join(targets_row(seed, by_seed[seed], out) for seed in seeds))
+        print("\n".join(targets_row(seed, by_seed[seed], hits[(seed, "orm")], hits[(seed, "prm")]) for seed in seeds))
     return 0
 
 

@@ -104,25 +104,21 @@ def token_logprobs(
         ids = input_ids[rows, :width].to(device)
         mask = attention_mask[rows, :width].to(device)
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-        # Column c predicts token c + 1: completion tokens are predicted by columns P-1 .. L-2.
-        if split is not None:
-            decoder, head, softcap = split
-            features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
-        elif tiled_root is not None:
-            logp, entropy = _tiled_forward(model, tiled_root, inputs, ids[:, prompt_length:], temperature,
-                                           with_entropy, chunk_size)
-            logps.append(logp)
-            entropies.append(entropy)
-            continue
+        targets = ids[:, prompt_length:]
+        if tiled_root is not None:  # sharded: the root's own forward, with its head applied in tiles
+            logp, entropy = _tiled_forward(model, tiled_root, inputs, targets, temperature, with_entropy, chunk_size)
         else:
-            kept = width - prompt_length  # completion columns of this micro-batch
-            if _accepts_logits_to_keep(model):
-                inputs["logits_to_keep"] = kept + 1
-            features = model(**inputs).logits[:, -(kept + 1) : -1]
-            head, softcap = _identity, None  # the model's forward already applied its head
-        logp, entropy = _chunked_stats(
-            head, softcap, features, ids[:, prompt_length:], temperature, with_entropy, chunk_size
-        )
+            # Column c predicts token c + 1: completion tokens are predicted by columns P-1 .. L-2.
+            if split is not None:
+                decoder, head, softcap = split
+                features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
+            else:
+                kept = width - prompt_length  # completion columns of this micro-batch
+                if _accepts_logits_to_keep(model):
+                    inputs["logits_to_keep"] = kept + 1
+                features = model(**inputs).logits[:, -(kept + 1) : -1]
+                head, softcap = _identity, None  # the model's forward already applied its head
+            logp, entropy = _chunked_stats(head, softcap, features, targets, temperature, with_entropy, chunk_size)
         logps.append(logp)
         entropies.append(entropy)
     attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
@@ -185,8 +181,8 @@ class _TiledHead(torch.nn.Module):
                  chunk_size: int):
         super().__init__()
         object.__setattr__(self, "head", head)  # not registered: the head stays where FSDP2 placed it
-        self.targets, self.temperature, self.with_entropy, self.chunk_size = targets, temperature, with_entropy, \
-            chunk_size
+        self.targets, self.temperature = targets, temperature
+        self.with_entropy, self.chunk_size = with_entropy, chunk_size
         self.entropy: torch.Tensor | None = None
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
