@@ -61,3 +61,36 @@ def test_shows_steps():
     assert not arithmetic.shows_steps("A: 12")
     assert not arithmetic.shows_steps("A: 12\n12-3")
     assert not arithmetic.shows_steps("seven plus five\nA: 12")
+
+
+# --- tool-integrated demonstrations ---------------------------------------------------------
+
+
+def test_tir_prompt_and_demonstration_golden():
+    assert arithmetic.format_tir_prompt("7+5-3+9") == "Q: 7+5-3+9 (with python)\n"
+    assert arithmetic.format_tir_solution("7+5-3+9") == "```python\nprint(7+5-3+9)\n```\n```output\n18\n```\nA: 18"
+    [row] = arithmetic.make_tir_rows(["3-5"])
+    assert row == {"prompt": "Q: 3-5 (with python)\n", "question": "3-5", "answer": "-2",
+                   "solution": "```python\nprint(3-5)\n```\n```output\n-2\n```\nA: -2"}
+
+
+def test_tir_demonstrations_show_exactly_what_the_harness_appends():
+    """Cut a demonstration at "```output": running its program in the sandbox and formatting the
+    result as the TIR rollout does gives back the rest of the demonstration up to the answer."""
+    from grpokit.eval.tir import OUTPUT_STOP, cumulative_program, format_tool_output
+    from grpokit.sandbox import run_many
+
+    questions = ["7+5-3+9", "3-5", "20-9-9-1+4"]
+    demos = [arithmetic.format_tir_solution(q) for q in questions]
+    heads = [d[: d.index(OUTPUT_STOP) + len(OUTPUT_STOP)] for d in demos]
+    results = run_many([cumulative_program(h) for h in heads])
+    for demo, head, result in zip(demos, heads, results):
+        answer_line = demo.rsplit("\n", 1)[1]
+        assert head[: -len(OUTPUT_STOP)] + format_tool_output(result) + answer_line == demo
+
+
+def test_the_tir_alphabet_spells_every_tir_prompt_and_demonstration():
+    rows = arithmetic.make_tir_rows(arithmetic.sample_questions(200, 0, arithmetic.ChainTask(), "train"))
+    text = "".join(r["prompt"] + r["solution"] for r in rows)
+    assert set(text) <= set(arithmetic.TIR_ALPHABET)
+    assert not set("`()") & set(arithmetic.ALPHABET)  # the CoT-only alphabet cannot write a program

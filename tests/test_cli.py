@@ -11,7 +11,7 @@ from grpokit.config import load_config
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
-        "--num_eval_questions=8", "--eval.k=2", "--sft.max_steps=5", "--sft.warmup_steps=1",
+        "--num_eval_questions=8", "--num_sft_tir_examples=16", "--eval.k=2", "--sft.max_steps=5", "--sft.warmup_steps=1",
         "--grpo.max_steps=2", "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16"]
 
 
@@ -28,6 +28,10 @@ def test_demo_writes_the_run_directory(tmp_path):
     assert "greedy accuracy" in proc.stdout and "pass@2" in proc.stdout and "maj@2" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seed"] == 3
+    # Table 5 in miniature: CoT and TIR, before and after, in the output and results.md.
+    assert "greedy accuracy      CoT     TIR" in proc.stdout and "TIR" in (out / "results.md").read_text()
+    assert summary["sft"]["tir"]["num_questions"] == summary["grpo"]["tir"]["num_questions"] == 8
+    assert isinstance(summary["tir_improvement_points"], float) and 0 <= summary["grpo_tir_accuracy"] <= 1
     assert "stage times: sft " in proc.stdout and all(
         key in summary for key in ("sft_seconds", "eval_before_seconds", "rl_seconds", "eval_after_seconds"))
     for key in ("sft_accuracy", "grpo_accuracy", "wall_seconds"):
@@ -94,6 +98,21 @@ def test_lora_demo_improves_over_the_sft_model(tmp_path, seed0_demo):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (tmp_path / "checkpoints" / "step-150" / "adapter_model.safetensors").is_file()
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.10, summary
+
+
+def test_tir_table_golden():
+    from grpokit.eval.evaluate import EvalResult, TIRResult
+    from grpokit.pipeline import tir_table
+
+    def result(cot, tir):
+        return EvalResult(cot, 0.0, 0.0, 8, 500, tir=TIRResult(tir, 500, 500, 1.0, 0.5, 0.5, True))
+
+    assert tir_table(result(0.454, 0.8), result(0.676, 0.786)) == (
+        "greedy accuracy      CoT     TIR\n"
+        "pi_SFT             45.4%   80.0%\n"
+        "GRPO               67.6%   78.6%\n"
+        "change           +22.2pt  -1.4pt")
+    assert tir_table(None, result(0.5, 0.25), "ppo") == "greedy accuracy      CoT     TIR\nPPO                50.0%   25.0%"
 
 
 def test_stage_times_names_each_stage_and_what_is_left():

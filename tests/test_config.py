@@ -36,6 +36,8 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["--num_generations=1"], "num_generations must be >= 2"),
         (["--learning_rate=0.1"], "ambiguous"),
         (["beta"], "must look like --key=value"),
+        (["--model.tiny.alphabet=arithmetic"], "num_sft_tir_examples > 0 writes python programs.*arithmetic-tir"),
+        (["--eval.max_tool_calls=0"], "eval.max_tool_calls must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

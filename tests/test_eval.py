@@ -60,3 +60,95 @@ def test_checkpoint_overwrite_is_atomic_and_loadable(tiny_model, tokenizer, tmp_
     loaded = AutoModelForCausalLM.from_pretrained(path)
     torch.testing.assert_close(next(loaded.parameters()), next(tiny_model.parameters()))
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+
+
+# --- tool-integrated reasoning on the built-in task ---------------------------------------------
+
+
+class _Replies:
+    """A RolloutEngine that answers each context from a function of the context."""
+
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.reply, self.calls = tokenizer, reply, []
+
+    def generate(self, prompts, num_generations, params, rows=None, seeds=None):
+        from grpokit.types import Rollout
+
+        self.calls.append((list(prompts), params))
+        texts = [self.reply(p) for p in prompts]
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] or [self.tokenizer.eos_token_id]
+               for t in texts]
+        width = max(map(len, ids))
+        padded = torch.tensor([i + [self.tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+        return Rollout(prompts=list(prompts), completions=texts, input_ids=padded, attention_mask=mask,
+                       completion_mask=mask, truncated=torch.zeros(len(prompts), dtype=torch.bool),
+                       prompt_length=0, group_size=1)
+
+
+def test_evaluate_tir_runs_each_program_and_grades_the_answer_line():
+    from grpokit.config import Config
+    from grpokit.eval.evaluate import evaluate_tir
+    from grpokit.eval.tir import OUTPUT_STOP
+    from grpokit.models import build_char_tokenizer
+    from grpokit.tasks.chain import ChainTask
+
+    tokenizer = build_char_tokenizer(arithmetic.TIR_ALPHABET)
+    task = ChainTask(Config())
+    rows = task.tir_rows(arithmetic.make_rows(["7+5-3+9", "3-5", "9+9", "4+4"]), tokenizer)
+    assert rows[0]["prompt"] == "Q: 7+5-3+9 (with python)\n" and rows[0]["answer"] == "18"
+
+    def reply(context: str) -> str:
+        question = context.split("Q: ", 1)[1].split(" (with", 1)[0]
+        if context.endswith("```\n"):  # after the tool output: state it, wrongly for 9+9
+            shown = context.rsplit("```output\n", 1)[1].split("\n", 1)[0]
+            return f"A: {int(shown) + (question == '9+9')}"
+        if question == "4+4":  # no program: answers directly, rightly
+            return "A: 8"
+        wrong = question.replace("3-5", "3-6")  # miscopies the question into its program
+        return f"```python\nprint({wrong})\n```\n{OUTPUT_STOP}"
+
+    engine = _Replies(tokenizer, reply)
+    result = evaluate_tir(engine, tokenizer, rows, task.tir_answer, max_new_tokens=40, max_model_len=2048)
+    # 7+5-3+9 right (18); 3-5 run as 3-6 (-3, wrong); 9+9 stated 19 (wrong); 4+4 right with no program.
+    assert result.greedy_accuracy == 0.5 and result.num_questions == 4
+    assert result.programs == 3 and result.stop_reasons == {"answer": 4}
+    assert result.completions[0] == "```python\nprint(7+5-3+9)\n```\n```output\n18\n```\nA: 18"
+    assert all(params.stop == (OUTPUT_STOP,) and params.temperature == 0 for _, params in engine.calls)
+    assert result.seconds >= result.generate_seconds + result.tool_seconds > 0
+    # Cut at its tool-call limit, a rollout's answer is the last program output.
+    cut = evaluate_tir(engine, tokenizer, rows[:1], task.tir_answer, 40, 2048, max_tool_calls=1)
+    assert cut.greedy_accuracy == 1.0 and cut.stop_reasons == {"tool_limit": 1}
+    assert cut.completions[0].endswith("```output\n18\n```\n")
+
+
+def test_tir_answer_prefers_the_answer_line_then_the_last_output(capsys):
+    from grpokit.config import Config
+    from grpokit.models import build_char_tokenizer
+    from grpokit.tasks.chain import ChainTask
+
+    task = ChainTask(Config())
+    assert task.tir_answer("```python\nprint(1)\n```\n```output\n1\n```\nA: 2") == "2"
+    assert task.tir_answer("```python\nprint(1)\n```\n```output\n1\n```\n") == "1"
+    assert task.tir_answer("no answer") is None
+    # A tokenizer that cannot write a program: no TIR rows, said once.
+    plain = build_char_tokenizer(arithmetic.ALPHABET)
+    rows = arithmetic.make_rows(["1+2"])
+    assert task.tir_rows(rows, plain) is None and task.tir_rows(rows, plain) is None
+    assert capsys.readouterr().err.count("no TIR evaluation") == 1
+
+
+def test_chain_task_adds_tir_demonstrations_after_the_unchanged_cot_ones():
+    from grpokit.config import Config
+    from grpokit.tasks.chain import ChainTask
+
+    config = Config()
+    config.task.num_sft_examples, config.task.num_sft_tir_examples = 40, 10
+    with_tir = ChainTask(config).data(sft=True).sft
+    config.task.num_sft_tir_examples = 0
+    without = ChainTask(config).data(sft=True).sft
+    assert with_tir[:40] == without and len(with_tir) == 50
+    assert all(r["prompt"].endswith("(with python)\n") and r["completion"].startswith("```python\n")
+               for r in with_tir[40:])
+    cot_questions = {r["prompt"].split()[1] for r in with_tir[:40]}
+    assert not cot_questions & {r["prompt"].split()[1] for r in with_tir[40:]}  # other questions

@@ -46,8 +46,9 @@ class TinyModelConfig:
     num_layers: int = opt(4, "transformer blocks of the tiny model")
     num_heads: int = opt(4, "attention heads of the tiny model")
     intermediate_size: int = opt(512, "MLP width of the tiny model")
-    alphabet: Literal["arithmetic", "ascii"] = opt(
-        "arithmetic", "characters of its tokenizer: the built-in task's, or printable ASCII for text datasets")
+    alphabet: Literal["arithmetic-tir", "arithmetic", "ascii"] = opt(
+        "arithmetic-tir", "characters of its tokenizer: the built-in task's with those of its python programs, "
+                          "the built-in task's alone (no TIR), or printable ASCII for text datasets")
 
 
 @dataclass
@@ -94,6 +95,8 @@ class TaskConfig:
     heldout_percent: int = opt(10, "share of all questions reserved for evaluation, by a fixed hash")
     num_sft_examples: int = opt(4000, "demonstrations the SFT stage trains on")
     sft_direct_fraction: float = opt(0.5, "share of SFT demonstrations that give only the answer, no steps")
+    num_sft_tir_examples: int = opt(500, "tool-integrated SFT demonstrations (a python program prints the answer), "
+                                          "on other questions, in addition to num_sft_examples; 0 = none")
     num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
     num_eval_questions: int = opt(500, "held-out questions for evaluation")
 
@@ -254,6 +257,10 @@ class EvalConfig:
     k: int = opt(8, "samples per question for pass@k and maj@k")
     temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
     batch_size: int = opt(512, "completions per generate call")
+    tir: bool = opt(True, "also evaluate with tool-integrated reasoning (the built-in task: its programs run in "
+                          "grpokit.sandbox), for a CoT/TIR before/after table")
+    max_tool_calls: int = opt(2, "TIR: rounds of generation, each may end in a program (DeepSeekMath: 2)")
+    tool_timeout_s: float = opt(10.0, "TIR: wall-clock limit of each program in seconds")
 
 
 @dataclass
@@ -486,6 +493,13 @@ def validate(config: Config) -> None:
         (all(r.timeout_s is None or r.timeout_s > 0 for r in config.rewards), "rewards[].timeout_s must be > 0 or null"),
         (config.data.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {config.data.max_prompt_length}"),
         (config.eval.k >= 1, f"eval.k must be >= 1, got {config.eval.k}"),
+        (config.eval.max_tool_calls >= 1, f"eval.max_tool_calls must be >= 1, got {config.eval.max_tool_calls}"),
+        (config.eval.tool_timeout_s > 0, f"eval.tool_timeout_s must be > 0, got {config.eval.tool_timeout_s}"),
+        (config.task.num_sft_tir_examples >= 0,
+         f"task.num_sft_tir_examples must be >= 0, got {config.task.num_sft_tir_examples}"),
+        (config.task.num_sft_tir_examples == 0 or config.model.name_or_path or config.model.tiny.alphabet != "arithmetic",
+         "task.num_sft_tir_examples > 0 writes python programs, which model.tiny.alphabet=arithmetic cannot spell: "
+         "use model.tiny.alphabet=arithmetic-tir, or task.num_sft_tir_examples=0"),
         (0 <= config.data.heldout_fraction < 1, "data.heldout_fraction must lie in [0, 1)"),
         (g.max_generation_rounds >= 1, f"grpo.max_generation_rounds must be >= 1, got {g.max_generation_rounds}"),
         (config.rollout.is_cap > 0, f"rollout.is_cap must be > 0, got {config.rollout.is_cap}"),

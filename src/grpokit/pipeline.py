@@ -293,7 +293,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             t = time.perf_counter()
             before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
             timings["eval_before_seconds"] = time.perf_counter() - t
-            print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}")
+            print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
+                  + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
         t = time.perf_counter()
         stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
                                       engine)
@@ -354,6 +355,22 @@ def format_table(task, before, after, algo: str = "grpo") -> str:
     for label, b, a in rows:
         change = f"{100 * (a - b):>+7.1f}pt" if b is not None else f"{'':>9}"
         lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} {a:>7.1%} {change}")
+    if after.tir is not None:
+        lines += ["", tir_table(before, after, algo)]
+    return "\n".join(lines)
+
+
+def tir_table(before, after, algo: str = "grpo") -> str:
+    """DeepSeekMath's Table 5 in miniature: greedy accuracy with chain-of-thought and with
+    tool-integrated reasoning, before and after RL (which trained on CoT prompts only)."""
+    lines = [f"greedy accuracy  {'CoT':>7} {'TIR':>7}"]
+    has_before = before is not None and before.tir is not None
+    if has_before:
+        lines.append(f"{'pi_SFT':<16} {before.greedy_accuracy:>7.1%} {before.tir.greedy_accuracy:>7.1%}")
+    lines.append(f"{algo.upper():<16} {after.greedy_accuracy:>7.1%} {after.tir.greedy_accuracy:>7.1%}")
+    if has_before:
+        cot, tir = after.greedy_accuracy - before.greedy_accuracy, after.tir.greedy_accuracy - before.tir.greedy_accuracy
+        lines.append(f"{'change':<16} {f'{100 * cot:+.1f}pt':>7} {f'{100 * tir:+.1f}pt':>7}")
     return "\n".join(lines)
 
 
@@ -361,6 +378,11 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
     """Print and write the before/after table and the reward curve; the summary's results."""
     table = format_table(task, before, after, config.algo)
     print(table)
+    if after.tir is not None:
+        tir = after.tir
+        print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({tir.seconds / after.greedy_seconds:.1f}x "
+              f"CoT greedy's {after.greedy_seconds:.1f}s): generation {tir.generate_seconds:.1f}s, "
+              f"{tir.programs} programs {tir.tool_seconds:.1f}s")
     print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
     if distributed.is_main():  # every process evaluated the same questions; one writes
         (run_dir / "results.md").write_text(table + "\n")
@@ -378,6 +400,11 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
         "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
         **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
     }
+    if after.tir is not None:
+        out["grpo_tir_accuracy"] = after.tir.greedy_accuracy
+    if before is not None and before.tir is not None and after.tir is not None:
+        out.update(sft_tir_accuracy=before.tir.greedy_accuracy,
+                   tir_improvement_points=100 * (after.tir.greedy_accuracy - before.tir.greedy_accuracy))
     if before is not None:
         out.update({"sft_accuracy": before.greedy_accuracy, "sft": before.as_dict(),
                     "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),

@@ -1,7 +1,8 @@
 """Run model-written Python programs: a fresh process each, no network, a deadline, rlimits.
 
-Each program runs as `python -I -B -X utf8 main.py` with an empty environment and stdin
-from /dev/null. When Linux namespaces work (`unshare` from util-linux, user namespaces
+Each program runs in a fresh `python -I -B -X utf8` process with an empty environment and
+stdin from /dev/null: a short trusted prologue sets the sandbox up from the inside, then the
+same interpreter runs the program as `__main__` (one interpreter start per program, not two). When Linux namespaces work (`unshare` from util-linux, user namespaces
 allowed, Linux >= 5.12), it runs inside new user, network, PID, mount, IPC and UTS namespaces:
 
     network      only a loopback interface that is down: every connect fails (ENETUNREACH)
@@ -31,7 +32,6 @@ tail are kept, so a program printing 100 MB neither fills memory nor blocks.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import selectors
@@ -52,11 +52,13 @@ OUTPUT_LIMIT_BYTES = 64 * 1024
 _DRAIN_GRACE_S = 2.0
 _POLL_S = 0.05
 
-# The first code the child runs (trusted): it finishes the sandbox from the inside, then
-# replaces itself with a clean interpreter that runs the program. Kept in this string, not a
-# module, so the child never imports grpokit (and torch with it).
+# The first code the child runs (trusted): it finishes the sandbox from the inside, then runs
+# the program as __main__ in the same interpreter (a second interpreter start per program
+# doubled the cost of a short one). Kept in this string, not a module, so the child never
+# imports grpokit (and torch with it). A setup failure exits 125 with SandboxSetupError;
+# from the program on, exceptions and exits are the program's own.
 _BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys
+import ctypes, os, resource, sys, types
 
 MS_NOSUID, MS_NODEV = 0x2, 0x4
 PR_SET_PDEATHSIG = 1
@@ -96,30 +98,37 @@ def isolate_filesystem(code, disk_mb):
     check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare a nested user namespace")
 
 
-def main(cfg):
-    with open(cfg["program"], "rb") as f:
+def set_up(program, isolate, disk_mb, caller, limits):  # isolate, limit; return the program's source
+    with open(program, "rb") as f:
         code = f.read()
-    if cfg["isolate"]:
-        isolate_filesystem(code, cfg["disk_mb"])
+    if isolate == "1":
+        isolate_filesystem(code, int(disk_mb))
         # A session of its own inside the namespace: kill(0) cannot reach the `unshare`
         # outside. The caller kills `unshare`, which takes the namespace down with it.
         os.setsid()
     else:
         # Die with the caller (its thread, to be exact) instead of running on unattended.
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9)
-        if os.getppid() != cfg["caller"]:
+        if os.getppid() != int(caller):
             os._exit(1)  # the caller ended before prctl took effect
-    for name, value in cfg["limits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    os.execve(sys.executable, [sys.executable, "-I", "-B", "-X", "utf8", "main.py"], {})
+        os.chdir(os.path.dirname(program))
+    for limit in limits.split(","):
+        name, value = limit.split("=")
+        resource.setrlimit(getattr(resource, name), (int(value), int(value)))
+    return code
 
 
-try:
-    main(json.loads(sys.argv[1]))
+try:  # arguments: program path, isolate (1/0), disk MiB, caller PID, NAME=value,... (json costs an import)
+    _source = set_up(*sys.argv[1:])
 except BaseException as e:
     sys.stderr.write(f"SandboxSetupError: {e}\n")
     sys.stderr.flush()
     os._exit(125)
+# The program runs as `python main.py` would run it: a fresh __main__ module, argv ["main.py"].
+sys.argv = ["main.py"]
+_main = sys.modules["__main__"] = types.ModuleType("__main__")
+_main.__file__ = "main.py"
+exec(compile(_source, "main.py", "exec"), _main.__dict__)
 """
 
 _UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
@@ -321,9 +330,10 @@ def _run(code: str, timeout_s: float, memory_mb: int, *, disk_mb: int, output_li
         program = os.path.join(workdir, "main.py")
         with open(program, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
-        config = {"program": program, "isolate": isolate, "disk_mb": disk_mb, "caller": os.getpid(),
-                  "limits": _limits(timeout_s, memory_mb, disk_mb, max_processes, isolate)}
-        command = [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(config)]
+        limits = ",".join(f"{name}={value}" for name, value in
+                          _limits(timeout_s, memory_mb, disk_mb, max_processes, isolate).items())
+        command = [sys.executable, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, program, str(int(isolate)),
+                   str(disk_mb), str(os.getpid()), limits]
         if isolate:
             command = [*launcher, *command]
         proc = subprocess.Popen(
@@ -365,38 +375,59 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _exit_notifier(pid: int) -> int | None:
+    """A pidfd that turns readable when `pid` exits (Linux >= 5.3), so the wait for a short
+    program's end costs no polling delay; None where there is none (then poll every _POLL_S)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def _collect(proc: subprocess.Popen, deadline: float, stdout: _Capture, stderr: _Capture) -> bool:
     """Read both pipes until the program ends or the deadline passes; kill what is left of
     its process group either way. Returns whether the deadline passed."""
+    exit_fd = _exit_notifier(proc.pid)
     with selectors.DefaultSelector() as selector:
         for stream, capture in ((proc.stdout, stdout), (proc.stderr, stderr)):
             os.set_blocking(stream.fileno(), False)
             selector.register(stream, selectors.EVENT_READ, capture)
+        if exit_fd is not None:
+            selector.register(exit_fd, selectors.EVENT_READ, None)
         timed_out = False
         drain_until = None  # set once the program has ended or been killed
-        while True:
-            now = time.monotonic()
-            if drain_until is None:
-                if _exited(proc.pid):
-                    _kill_group(proc.pid)  # children it left behind (no PID namespace)
-                    drain_until = now + _DRAIN_GRACE_S
-                elif now >= deadline:
-                    timed_out = True
-                    _kill_group(proc.pid)
-                    drain_until = now + _DRAIN_GRACE_S
-            open_pipes = bool(selector.get_map())
-            if drain_until is not None and (not open_pipes or now >= drain_until):
-                break  # past the grace, a process that escaped the group may still hold a pipe
-            wait = max(0.0, min(_POLL_S, (deadline if drain_until is None else drain_until) - now))
-            if not open_pipes:  # it closed both pipes but runs on: wait for its end or the deadline
-                time.sleep(wait)
-                continue
-            for key, _ in selector.select(wait):
-                data = os.read(key.fd, 65536)
-                if data:
-                    key.data.add(data)
-                else:
-                    selector.unregister(key.fileobj)
+        try:
+            while True:
+                now = time.monotonic()
+                if drain_until is None:
+                    if _exited(proc.pid):
+                        _kill_group(proc.pid)  # children it left behind (no PID namespace)
+                        drain_until = now + _DRAIN_GRACE_S
+                    elif now >= deadline:
+                        timed_out = True
+                        _kill_group(proc.pid)
+                        drain_until = now + _DRAIN_GRACE_S
+                open_pipes = any(key.data is not None for key in selector.get_map().values())
+                if drain_until is not None and (not open_pipes or now >= drain_until):
+                    break  # past the grace, a process that escaped the group may still hold a pipe
+                wait = max(0.0, (deadline if drain_until is None else drain_until) - now)
+                if exit_fd is None or drain_until is not None:
+                    wait = min(wait, _POLL_S)
+                if not selector.get_map():  # nothing to wait on: wait for its end or the deadline
+                    time.sleep(wait)
+                    continue
+                for key, _ in selector.select(wait):
+                    if key.data is None:  # the pidfd: the program has exited (checked above next round)
+                        selector.unregister(key.fileobj)
+                        continue
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        key.data.add(data)
+                    else:
+                        selector.unregister(key.fileobj)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
     proc.stdout.close()
     proc.stderr.close()
     return timed_out

@@ -45,7 +45,8 @@ def load_policy(config: Config, path: str | None = None):
         return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
                                         m.trust_remote_code)
     t = m.tiny
-    tokenizer = build_char_tokenizer(arithmetic.ALPHABET if t.alphabet == "arithmetic" else ASCII_ALPHABET)
+    alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
+    tokenizer = build_char_tokenizer(alphabets[t.alphabet])
     model = build_tiny_model(tokenizer, t.architecture, t.hidden_size, t.num_layers, t.num_heads,
                              t.intermediate_size, seed=config.seed)
     return model.to(resolve_device(m.device)), tokenizer

@@ -10,6 +10,15 @@ grades each step (`check_steps`), so the same task serves outcome supervision (f
 answer) and process supervision (step grades).
 A fixed hash of the question decides the held-out split, so held-out questions are
 never trained on, whatever the seed.
+
+Tool-integrated reasoning (TIR), DeepSeekMath's second way to evaluate, in the same task:
+
+    prompt:     "Q: 7+5-3+9 (with python)\n"
+    completion: "```python\nprint(7+5-3+9)\n```\n```output\n18\n```\nA: 18"
+
+The model writes the program and stops at "```output"; the harness runs the program and
+appends its output; the model then states the answer. The tokenizer needs the characters of
+those fences and of `print` (`TIR_ALPHABET`).
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ import zlib
 from dataclasses import dataclass
 
 ALPHABET = "0123456789+-=:QA \n"
+# Adds "```python", "print(...)", "```output" and "(with python)"; and a-f, without which
+# transformers' stop strings (generation stops at "```output") cannot read the vocabulary.
+TIR_ALPHABET = ALPHABET + "`()hinoprtuwy" + "abcdef"
 _ANSWER = re.compile(r"^A: (-?\d+)\s*$", re.MULTILINE)
 _CHAIN = re.compile(r"^(-?\d+)(?:[+-]\d+)+$")  # a number followed by one or more +n / -n
 _HEAD = re.compile(r"^(-?\d+)([+-])(\d+)")
@@ -49,6 +61,18 @@ def is_heldout(question: str, heldout_percent: int) -> bool:
 
 def format_prompt(question: str) -> str:
     return f"Q: {question}\n"
+
+
+def format_tir_prompt(question: str) -> str:
+    """The tool-integrated prompt: the question, asking for a program."""
+    return f"Q: {question} (with python)\n"
+
+
+def format_tir_solution(question: str) -> str:
+    """A tool-integrated demonstration: a program that prints the answer, its output block
+    exactly as the harness appends it (grpokit.eval.tir.format_tool_output), and the answer."""
+    answer = solve(question)[1]
+    return f"```python\nprint({question})\n```\n```output\n{answer}\n```\nA: {answer}"
 
 
 def reduce_once(chain: str) -> str:
@@ -131,6 +155,12 @@ def make_rows(questions: list[str]) -> list[dict]:
         {"prompt": format_prompt(q), "question": q, "answer": str(solve(q)[1]), "solution": format_solution(q)}
         for q in questions
     ]
+
+
+def make_tir_rows(questions: list[str]) -> list[dict]:
+    """Dataset rows with tool-integrated prompts and demonstrations."""
+    return [{"prompt": format_tir_prompt(q), "question": q, "answer": str(solve(q)[1]),
+             "solution": format_tir_solution(q)} for q in questions]
 
 
 def extract_answer(completion: str) -> str | None:

@@ -1,7 +1,9 @@
-"""Greedy accuracy, pass@k and maj@k of a model on rows with reference answers."""
+"""Greedy accuracy, pass@k and maj@k of a model on rows with reference answers; greedy
+tool-integrated reasoning on the same rows (`evaluate_tir`)."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,10 +20,34 @@ class EvalResult:
     k: int
     num_questions: int
     greedy_completions: list[str] = field(default_factory=list, repr=False)
+    greedy_seconds: float = 0.0  # generating and grading the greedy completions
+    tir: TIRResult | None = None  # the same questions with tool-integrated reasoning, when evaluated
 
     def as_dict(self) -> dict:
         out = asdict(self)
         del out["greedy_completions"]
+        if self.tir is not None:
+            out["tir"] = self.tir.as_dict()
+        return out
+
+
+@dataclass
+class TIRResult:
+    """Greedy tool-integrated reasoning on a set of questions, and where its time went."""
+
+    greedy_accuracy: float
+    num_questions: int
+    programs: int  # programs run, over all questions and rounds
+    seconds: float
+    generate_seconds: float
+    tool_seconds: float
+    isolated: bool  # whether the programs ran in namespaces (no network); see grpokit.sandbox
+    stop_reasons: dict[str, int] = field(default_factory=dict)
+    completions: list[str] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        del out["completions"]
         return out
 
 
@@ -74,8 +100,10 @@ def evaluate(
                 for r, c in zip(rows_, completions)]
 
     prompts = [r["prompt"] for r in rows]
+    start = time.perf_counter()
     greedy = engine.generate(prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
     greedy_hits = sum(judge(rows, greedy.completions))
+    greedy_seconds = time.perf_counter() - start
     sampled = engine.generate(prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
     hits = judge([row for row in rows for _ in range(k)], sampled.completions)
     passes = majority = 0.0
@@ -86,4 +114,39 @@ def evaluate(
         voted = majority_answer(answers)  # the majority answer is right when a sample giving it was judged right
         majority += voted is not None and any(ok for a, ok in zip(answers, group_hits) if a == voted)
     n = len(rows)
-    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy.completions)
+    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy.completions, greedy_seconds)
+
+
+def evaluate_tir(
+    engine,
+    tokenizer,
+    rows: list[dict],
+    extract_answer: Callable[[str], str | None],
+    max_new_tokens: int,
+    max_model_len: int,
+    max_tool_calls: int = 2,
+    tool_timeout_s: float = 10.0,
+    batch_size: int = 512,
+    answer_key: str = "answer",
+) -> TIRResult:
+    """Greedy tool-integrated reasoning: each row's "prompt" is generated from until the model
+    writes "```output", its program runs in grpokit.sandbox, the output is appended, and
+    generation goes on, for at most `max_tool_calls` rounds of `max_new_tokens` each. A
+    completion is right when its extracted answer equals the row's reference as a string."""
+    from grpokit.eval.benchmark import EngineGenerate, Timings, rollouts, timed_sandbox
+    from grpokit.eval.tir import OUTPUT_STOP
+    from grpokit.sandbox import namespaces_available
+
+    if not rows:
+        raise ValueError("evaluate_tir got no rows")
+    start, timings = time.perf_counter(), Timings()
+    params = SamplingParams(max_new_tokens, 0.0, 1.0, batch_size, stop=(OUTPUT_STOP,))
+    generate = EngineGenerate(engine, tokenizer, params, max_model_len, seed=0, timings=timings)
+    traced = rollouts(generate, [r["prompt"] for r in rows], "tir", max_tool_calls,
+                      timed_sandbox(timings, tool_timeout_s))
+    completions = [trace.completion for trace, _ in traced]
+    hits = sum((a := extract_answer(c)) is not None and a.strip() == str(r[answer_key]).strip()
+               for r, c in zip(rows, completions))
+    return TIRResult(hits / len(rows), len(rows), timings.programs, time.perf_counter() - start, timings.generate,
+                     timings.tools, namespaces_available(), dict(Counter(reason for _, reason in traced)),
+                     completions)

@@ -7,6 +7,8 @@ from typing import Callable, Protocol
 
 from grpokit.config import Config
 from grpokit.eval import EvalResult, evaluate
+from grpokit.eval.evaluate import evaluate_tir
+from grpokit.rollout import HFEngine
 
 
 @dataclass
@@ -24,6 +26,11 @@ class Task(Protocol):
     def data(self, tokenizer, sft: bool = True) -> TaskData: ...
 
     def extract_answer(self, completion: str) -> str | None: ...
+
+    def tir_rows(self, rows: list[dict], tokenizer) -> list[dict] | None:
+        """`rows` with tool-integrated prompts, or None when the task (or tokenizer) has no TIR form."""
+
+    def tir_answer(self, completion: str) -> str | None: ...
 
     def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
         """Rule-based correctness of each completion against its row's reference."""
@@ -47,8 +54,16 @@ def task_for(config: Config) -> Task:
 def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config, engine=None,
                   exact_match: bool = False) -> EvalResult:
     """Greedy accuracy, pass@k and maj@k on `rows`, graded by the task's rule (or, with
-    `exact_match`, by the extracted answer's string equality)."""
+    `exact_match`, by the extracted answer's string equality); with eval.tir, and a task with a
+    TIR form, greedy tool-integrated accuracy on the same questions too (result.tir)."""
     e = config.eval
-    return evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
-                    temperature=e.temperature, batch_size=e.batch_size, engine=engine,
-                    grade=None if exact_match else task.grade)
+    engine = engine or HFEngine(model, tokenizer)
+    result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
+                      temperature=e.temperature, batch_size=e.batch_size, engine=engine,
+                      grade=None if exact_match else task.grade)
+    tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
+    if tir_rows:
+        max_model_len = config.rollout.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
+        result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer, config.grpo.max_completion_length,
+                                  max_model_len, e.max_tool_calls, e.tool_timeout_s, e.batch_size)
+    return result

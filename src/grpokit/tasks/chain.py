@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 from grpokit.config import Config
 from grpokit.data import arithmetic
+from grpokit.eval.tir import last_output
 from grpokit.tasks.base import TaskData
 
 
@@ -20,14 +23,19 @@ class ChainTask:
     def __init__(self, config: Config):
         t = config.task
         self.config, self.seed = t, config.seed
+        self._said_no_tir = False
         self.spec = arithmetic.ChainTask(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
                                          t.heldout_percent)
 
     def data(self, tokenizer=None, sft: bool = True) -> TaskData:
         """SFT demonstrations, RL questions (answers only) and held-out questions, all from seeds."""
         t, seed = self.config, self.seed
-        demos = arithmetic.make_sft_rows(arithmetic.sample_questions(t.num_sft_examples, seed, self.spec, "train"),
-                                         t.sft_direct_fraction, seed) if sft else []
+        demos = []
+        if sft:  # the TIR demonstrations' questions come after the CoT ones in the same draw
+            questions = arithmetic.sample_questions(t.num_sft_examples + t.num_sft_tir_examples, seed, self.spec,
+                                                    "train")
+            demos = (arithmetic.make_sft_rows(questions[: t.num_sft_examples], t.sft_direct_fraction, seed)
+                     + arithmetic.make_tir_rows(questions[t.num_sft_examples :]))
         rl = arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, self.spec, "train"))
         heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, self.spec, "heldout"))
         return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
@@ -35,6 +43,23 @@ class ChainTask:
 
     def extract_answer(self, completion: str) -> str | None:
         return arithmetic.extract_answer(completion)
+
+    def tir_rows(self, rows: list[dict], tokenizer) -> list[dict] | None:
+        """`rows` with tool-integrated prompts; None (said once) when `tokenizer` cannot write a
+        program, e.g. a model built with model.tiny.alphabet=arithmetic."""
+        missing = sorted(set(arithmetic.TIR_ALPHABET) - set(tokenizer.get_vocab()))
+        if missing:
+            if not self._said_no_tir:
+                print(f"grpokit: no TIR evaluation: the tokenizer has no {''.join(missing)!r}, which the task's "
+                      "python programs need (model.tiny.alphabet=arithmetic-tir has them)", file=sys.stderr)
+                self._said_no_tir = True
+            return None
+        return [{**row, "prompt": arithmetic.format_tir_prompt(row["question"])} for row in rows]
+
+    def tir_answer(self, completion: str) -> str | None:
+        """The "A: n" line, else the last program output (a rollout cut at its tool-call limit)."""
+        stated = arithmetic.extract_answer(completion)
+        return stated if stated is not None else last_output(completion)
 
     def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
         scores = arithmetic.chain_accuracy([r["prompt"] for r in rows], completions, [r["answer"] for r in rows])

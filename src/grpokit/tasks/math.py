@@ -40,6 +40,13 @@ class MathTask:
     def extract_answer(self, completion: str) -> str | None:
         return extract_final_answer(completion)
 
+    def tir_rows(self, rows: list[dict], tokenizer) -> None:
+        """No TIR during training runs: `grpokit eval --mode cot,tir` evaluates a checkpoint both ways."""
+        return None
+
+    def tir_answer(self, completion: str) -> str | None:
+        return None
+
     def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
         scores = get_reward_function("math_accuracy")([r["prompt"] for r in rows], completions,
                                                       answer=[r["answer"] for r in rows])
