@@ -1,8 +1,11 @@
 """The built-in chain task: solutions, step grades, answer extraction, disjoint splits."""
 
+import random
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grpokit.data import arithmetic
 
@@ -94,3 +97,35 @@ def test_the_tir_alphabet_spells_every_tir_prompt_and_demonstration():
     text = "".join(r["prompt"] + r["solution"] for r in rows)
     assert set(text) <= set(arithmetic.TIR_ALPHABET)
     assert not set("`()") & set(arithmetic.ALPHABET)  # the CoT-only alphabet cannot write a program
+
+
+# --- one-slip twins (hard negatives for reward models) ----------------------------------------
+
+
+def test_one_slip_golden():
+    rng = random.Random(0)
+    assert arithmetic.one_slip("7+5-3+9", "12-3+9\n9+9\nA: 18", rng) == "12-3+9\n10+9\nA: 19"
+    assert arithmetic.one_slip("7+5", "A: 12", random.Random(1)) in {f"A: {v}" for v in (9, 10, 11, 13, 14, 15)}
+    # Not a right solution: no twin.
+    assert arithmetic.one_slip("7+5", "A: 13", rng) is None
+    assert arithmetic.one_slip("7+5-1", "12-1\nA: 10", rng) is None
+    assert arithmetic.one_slip("7+5-1", "garbage", rng) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_one_slip_changes_one_result_and_carries_on_from_it(seed, worked):
+    rng = random.Random(seed)
+    question = arithmetic.random_question(rng, arithmetic.ChainTask())
+    steps, answer = arithmetic.solve(question)
+    right = arithmetic.format_solution(question) if worked else f"A: {answer}"
+    twin = arithmetic.one_slip(question, right, rng)
+    lines = twin.split("\n")
+    assert len(lines) == len(right.split("\n"))  # the same layout
+    assert arithmetic.extract_answer(twin) != str(answer)  # the answer is wrong
+    grades = arithmetic.check_steps(question, twin)
+    assert grades.count(False) <= 1  # at most one step line slipped; every other follows from the line above
+    labels = arithmetic.step_labels(question, lines, str(answer))
+    first_wrong = labels.index(False)
+    assert all(labels[:first_wrong]) and not any(labels[first_wrong:])
+    assert lines[:first_wrong] == right.split("\n")[:first_wrong]  # unchanged before the slip

@@ -38,6 +38,7 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["beta"], "must look like --key=value"),
         (["--model.tiny.alphabet=arithmetic"], "num_sft_tir_examples > 0 writes python programs.*arithmetic-tir"),
         (["--eval.max_tool_calls=0"], "eval.max_tool_calls must be >= 1"),
+        (["--reward_model.hard_negatives=-1"], "reward_model.hard_negatives must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

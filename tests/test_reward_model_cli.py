@@ -48,8 +48,10 @@ def sft_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("flags", "kind"),
-    [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2", "--beta", "0.05"], "outcome")],
-    ids=["reward-model", "process", "iterative"],
+    [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2", "--beta", "0.05"], "outcome"),
+     (["--supervision", "process", "--reward_model.hard_negatives=2", "--reward_model.balance_step_labels=true"],
+      "process")],
+    ids=["reward-model", "process", "iterative", "process-hard-negatives-balanced"],
 )
 def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
     out = tmp_path / "run"

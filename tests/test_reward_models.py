@@ -83,6 +83,43 @@ def test_step_bce_golden():
     assert loss.item() == pytest.approx((math.log(2) + 0.1269280110) / 2, abs=1e-9)
 
 
+def test_balanced_step_bce_golden():
+    # per-step BCE: label 1 at logit 2 -> log(1 + e^-2) = 0.1269280; label 1 at 0 -> log 2;
+    # label 0 at -1 -> log(1 + e^-1) = 0.3132617. Balanced: mean(right mean, wrong mean).
+    logits = torch.tensor([2.0, 0.0, -1.0], dtype=torch.float64)
+    labels = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    right, wrong = (0.1269280110 + math.log(2)) / 2, 0.3132616875
+    assert step_bce_loss(logits, labels, balance=True).item() == pytest.approx((right + wrong) / 2, abs=1e-9)
+    assert step_bce_loss(logits, labels).item() == pytest.approx((0.1269280110 + math.log(2) + wrong) / 3, abs=1e-9)
+    # One class only: balancing has nothing to weigh, the plain mean.
+    ones = torch.ones(3, dtype=torch.float64)
+    assert step_bce_loss(logits, ones, balance=True).item() == pytest.approx(step_bce_loss(logits, ones).item())
+
+
+def test_hard_negative_examples_pair_or_label_each_right_solution_with_its_twins():
+    from grpokit.config import RewardModelConfig
+    from grpokit.tasks.chain import chain_hard_negative, chain_step_labeller
+    from grpokit.train.reward_model import hard_negative_examples
+
+    rows = [{"prompt": "Q: 7+5-3+9\n", "answer": "18"}] * 3 + [{"prompt": "Q: 3+4\n", "answer": "7"}]
+    completions = ["12-3+9\n9+9\nA: 18", "12-3+9\n9+9\nA: 18", "A: 17", "A: 7"]  # a repeat, a wrong one
+    config = RewardModelConfig(hard_negatives=3)
+    pairs = hard_negative_examples("outcome", rows, completions, chain_hard_negative, None, config, seed=0)
+    assert {p.chosen for p in pairs} == {"12-3+9\n9+9\nA: 18", "A: 7"}  # right solutions only, each once
+    assert all(p.rejected != p.chosen and arithmetic.extract_answer(p.rejected) not in ("18", "7") for p in pairs)
+    assert 2 <= len(pairs) <= 6 and len({(p.chosen, p.rejected) for p in pairs}) == len(pairs)  # distinct twins
+    assert pairs == hard_negative_examples("outcome", rows, completions, chain_hard_negative, None, config, seed=0)
+    samples = hard_negative_examples("process", rows, completions, chain_hard_negative, chain_step_labeller,
+                                     config, seed=0)
+    assert [(x.prompt, "".join(x.steps)) for x in samples] == [(p.prompt, p.rejected) for p in pairs]
+    for x in samples:  # the rule's labels: right up to the slip, wrong from it on
+        assert x.labels == tuple(chain_step_labeller({"prompt": x.prompt, "answer": "18" if "7+5" in x.prompt
+                                                      else "7"}, list(x.steps)))
+        assert not x.labels[-1]
+    with pytest.raises(ValueError, match="hard_negatives needs a task"):
+        hard_negative_examples("outcome", rows, completions, None, None, config, seed=0)
+
+
 # --------------------------------------------------------------------------- step ends
 
 

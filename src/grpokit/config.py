@@ -227,6 +227,10 @@ class RewardModelConfig:
         "rule", "where process labels come from: rule (the task's step checker) or rollouts (Math-Shepherd: a step "
                 "is right when one of label_rollouts completions of its prefix reaches the reference answer)")
     label_rollouts: int = opt(8, "rollouts labels: completions sampled from each step prefix")
+    hard_negatives: int = opt(0, "built-in task: one-slip twins added per right training solution (one result off "
+                                 "by 1-3, the rest carried on from it): outcome pairs (right, twin), or step labels "
+                                 "by the rule; held-out data stays real samples")
+    balance_step_labels: bool = opt(False, "process RM: weigh right and wrong steps equally in the loss")
     label_skip_uniform: bool = opt(
         True, "rollouts labels: a question whose samples are all right (or all wrong) gets no rollouts; false "
               "rolls those out too, which labels every step of all-wrong questions at N rollouts per step prefix")
@@ -485,6 +489,10 @@ def validate(config: Config) -> None:
         (0 <= config.reward_model.replay_fraction <= 1, "reward_model.replay_fraction must lie in [0, 1]"),
         (0 < config.reward_model.heldout_fraction < 1, "reward_model.heldout_fraction must lie in (0, 1)"),
         (config.reward_model.label_rollouts >= 1, "reward_model.label_rollouts must be >= 1"),
+        (config.reward_model.hard_negatives >= 0, "reward_model.hard_negatives must be >= 0"),
+        (config.reward_model.hard_negatives == 0 or not (config.data.sources or config.data.sft_sources),
+         "reward_model.hard_negatives needs the built-in task, whose rule makes and labels the one-slip twins: "
+         "set it to 0 for data.sources"),
         (config.iterative.iterations >= 1, f"iterative.iterations must be >= 1, got {config.iterative.iterations}"),
         (config.iterative.iterations == 1 or config.reward_model.kind != "none",
          "iterative.iterations > 1 refreshes a reward model: set reward_model.kind to outcome or process"),

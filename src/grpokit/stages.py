@@ -120,4 +120,5 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
         scorer = new_scorer(model, tokenizer, rm.kind, rm)
     shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
     return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task), task.step_labeller,
-                            config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine)
+                            config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
+                            hard_negative=task.hard_negative)

@@ -218,6 +218,37 @@ def step_labels(question: str, steps: list[str], answer: str) -> list[bool]:
     return labels
 
 
+def one_slip(question: str, completion: str, rng: random.Random) -> str | None:
+    """A hard negative for a reward model: `completion`, a right solution of `question` (worked or
+    direct, in the task's layout), with one result off by 1 to 3 and every line after it carried on
+    correctly from the wrong number. It reads like a right solution; one step's arithmetic is
+    wrong, and so is the answer. None when `completion` is not a right solution.
+
+    "7+5-3+9", "12-3+9\n9+9\nA: 18" -> e.g. "12-3+9\n10+9\nA: 19" (the second step slips).
+    """
+    steps, answer = solve(question)
+    if [line.strip() for line in completion.strip().split("\n")] not in (steps + [f"A: {answer}"], [f"A: {answer}"]):
+        return None
+    worked = "\n" in completion.strip()
+    slip_at = rng.randrange(len(steps) + 1) if worked else 0  # a step line, or the answer line
+    kept = steps[:slip_at] if worked else []
+    if worked and slip_at < len(steps):
+        head = _HEAD.match(steps[slip_at]).group(1)
+        chain = f"{int(head) + _slip(int(head), rng)}{steps[slip_at][len(head):]}"
+        tail = [chain]
+        chain = reduce_once(chain)
+        while not chain.lstrip("-").isdigit():  # carried on correctly from the slip, as solve() would
+            tail.append(chain)
+            chain = reduce_once(chain)
+        return "\n".join(kept + tail + [f"A: {chain}"])
+    return "\n".join(kept + [f"A: {answer + _slip(answer, rng)}"])
+
+
+def _slip(value: int, rng: random.Random) -> int:
+    """A nonzero change of 1 to 3 that keeps a non-negative `value` non-negative."""
+    return rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if value < 0 or value + d >= 0])
+
+
 def shows_steps(completion: str) -> bool:
     """True when the completion works through at least one step line before answering."""
     for line in completion.split("\n"):

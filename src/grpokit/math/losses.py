@@ -280,9 +280,18 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
     return -torch.nn.functional.logsigmoid(chosen - rejected).mean()
 
 
-def step_bce_loss(step_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def step_bce_loss(step_logits: torch.Tensor, labels: torch.Tensor, balance: bool = False) -> torch.Tensor:
     """Process reward model loss: binary cross-entropy of each step's logit (read at the step's
-    last token) against its 0/1 correctness label, averaged over all steps of the batch. [S], [S]."""
+    last token) against its 0/1 correctness label, averaged over all steps of the batch. [S], [S].
+
+    balance: the mean of the right steps' mean and the wrong steps' mean instead, so the rarer
+    class weighs as much as the common one (a batch holding one class only: the plain mean).
+    """
     if step_logits.shape != labels.shape or step_logits.dim() != 1:
         raise ValueError(f"step_logits {tuple(step_logits.shape)} and labels {tuple(labels.shape)} must both be [S]")
-    return torch.nn.functional.binary_cross_entropy_with_logits(step_logits, labels.to(step_logits.dtype))
+    per_step = torch.nn.functional.binary_cross_entropy_with_logits(step_logits, labels.to(step_logits.dtype),
+                                                                    reduction="none")
+    right = labels.bool()
+    if balance and 0 < int(right.sum()) < right.numel():
+        return 0.5 * (per_step[right].mean() + per_step[~right].mean())
+    return per_step.mean()

@@ -22,6 +22,8 @@ class Task(Protocol):
     name: str
     # (row, steps) -> [bool]: which step first goes wrong, where a rule can tell; None otherwise
     step_labeller: Callable[[dict, list[str]], list[bool]] | None
+    # (row, right completion, rng) -> the same solution with one slip (a hard negative); None where no rule can make one
+    hard_negative: Callable[[dict, str, object], str | None] | None
 
     def data(self, tokenizer, sft: bool = True) -> TaskData: ...
 

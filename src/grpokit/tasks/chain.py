@@ -10,15 +10,24 @@ from grpokit.eval.tir import last_output
 from grpokit.tasks.base import TaskData
 
 
+def _question(row: dict) -> str:
+    return row["prompt"].strip().removeprefix("Q:").strip()
+
+
 def chain_step_labeller(row: dict, steps: list[str]) -> list[bool]:
     """Process labels of the built-in task: which step first goes wrong."""
-    question = row["prompt"].strip().removeprefix("Q:").strip()
-    return arithmetic.step_labels(question, steps, row["answer"])
+    return arithmetic.step_labels(_question(row), steps, row["answer"])
+
+
+def chain_hard_negative(row: dict, completion: str, rng) -> str | None:
+    """A right solution with one result slipped and the rest carried on (arithmetic.one_slip)."""
+    return arithmetic.one_slip(_question(row), completion, rng)
 
 
 class ChainTask:
     name = "chain"
     step_labeller = staticmethod(chain_step_labeller)
+    hard_negative = staticmethod(chain_hard_negative)
 
     def __init__(self, config: Config):
         t = config.task

@@ -22,6 +22,7 @@ def is_heldout(prompt: str, fraction: float) -> bool:
 class MathTask:
     name = "math"
     step_labeller = None  # step labels of free-form solutions come from a file (train-rm --process --data)
+    hard_negative = None  # no rule can slip one step of a free-form solution and know the rest
 
     def __init__(self, config: Config):
         self.data_config = config.data

@@ -32,6 +32,7 @@ from grpokit.train.reward_model import (
     evaluate_reward_model,
     example_record,
     fit_reward_model,
+    hard_negative_examples,
     rollout_step_examples,
     sample_completions,
     split_by_prompt,
@@ -58,6 +59,7 @@ class RewardModelStage:
     seed: int = 0
     progress: bool = True
     engine: object = None  # the policy's rollout engine; None: transformers' generate on the policy given
+    hard_negative: Callable | None = None  # the task's one-slip twin maker (reward_model.hard_negatives)
 
     def __post_init__(self) -> None:
         self.buffer = ReplayBuffer(self.run_dir / "replay_buffer.jsonl", self.config.replay_fraction, self.seed)
@@ -94,6 +96,11 @@ class RewardModelStage:
                 f"(reward_model.num_questions, reward_model.samples_per_question), raise "
                 f"reward_model.sample_temperature, or start from a better-trained policy")
         train, heldout = split_by_prompt(examples, cfg.heldout_fraction, self.seed + round_index)
+        if cfg.hard_negatives:  # training questions only: held-out accuracy stays on real samples
+            heldout_prompts = {x.prompt for x in heldout}
+            kept = [(r, c) for r, c in zip(rows, completions) if r["prompt"] not in heldout_prompts]
+            train += hard_negative_examples(self.kind, [r for r, _ in kept], [c for _, c in kept],
+                                            self.hard_negative, self.step_labeller, cfg, self.seed + round_index)
         replay = list(self.buffer.items)
         desc = "reward model" if round_index == 0 else f"reward model, refresh {round_index}"
         losses = fit_reward_model(self.scorer, train + replay, cfg, seed=self.seed + round_index,

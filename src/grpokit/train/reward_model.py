@@ -51,7 +51,7 @@ def split_by_prompt(items: list, heldout_fraction: float, seed: int) -> tuple[li
     return [x for x in items if x.prompt not in heldout], [x for x in items if x.prompt in heldout]
 
 
-def _batch_loss(scorer, batch: list[Example]) -> torch.Tensor:
+def _batch_loss(scorer, batch: list[Example], balance: bool = False) -> torch.Tensor:
     prompts = [x.prompt for x in batch]
     if isinstance(scorer, OutcomeRewardModel):
         # One forward over chosen and rejected together: 2B rows, then split.
@@ -59,7 +59,7 @@ def _batch_loss(scorer, batch: list[Example]) -> torch.Tensor:
         return bradley_terry_loss(scores[: len(batch)], scores[len(batch) :])
     logits = scorer.step_logits(prompts, [list(x.steps) for x in batch])
     labels = torch.tensor([float(v) for x in batch for v in x.labels], device=logits[0].device)
-    return step_bce_loss(torch.cat(logits), labels)
+    return step_bce_loss(torch.cat(logits), labels, balance=balance)
 
 
 def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, seed: int = 0,
@@ -84,7 +84,7 @@ def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, se
             order += rng.sample(range(len(train)), len(train))
         batch = [train[i] for i in order[: config.train_batch_size]]
         del order[: config.train_batch_size]
-        loss = _batch_loss(scorer, batch)
+        loss = _batch_loss(scorer, batch, balance=config.balance_step_labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"reward-model loss became {loss.item()} at step {len(losses)}; "
                                      "lower reward_model.learning_rate")
@@ -163,6 +163,34 @@ def build_examples(kind: str, rows: list[dict], completions: list[str], grade: C
     for row, completion in zip(rows, completions):
         steps = split_steps(completion, config.step_delimiter) or [completion]
         examples.append(StepLabelledSample(row["prompt"], tuple(steps), tuple(step_labeller(row, steps))))
+    return examples
+
+
+def hard_negative_examples(kind: str, rows: list[dict], completions: list[str],
+                           make_twin: Callable[[dict, str, random.Random], str | None] | None,
+                           step_labeller: Callable[[dict, list[str]], list[bool]] | None,
+                           config: RewardModelConfig, seed: int) -> list[Example]:
+    """config.hard_negatives one-slip twins of each distinct right solution among `completions`
+    (`make_twin` gives None for any other): outcome pairs (the solution over its twin), or the
+    twins with the rule's step labels (process). The surface is the policy's own; only the
+    arithmetic of one step differs, which is what a reward model has to learn to see."""
+    if make_twin is None or (kind == "process" and step_labeller is None):
+        raise ValueError("reward_model.hard_negatives needs a task whose rule makes one-slip twins and labels "
+                         "their steps (the built-in task); set it to 0")
+    rng = random.Random(f"{seed}-hard-negatives")
+    seen: set[tuple[str, str]] = set()
+    examples: list[Example] = []
+    for row, completion in zip(rows, completions):
+        if (row["prompt"], completion) in seen:
+            continue
+        seen.add((row["prompt"], completion))
+        twins = [make_twin(row, completion, rng) for _ in range(config.hard_negatives)]
+        for twin in dict.fromkeys(t for t in twins if t is not None):  # distinct, in order
+            if kind == "outcome":
+                examples.append(PreferencePair(row["prompt"], completion, twin))
+            else:
+                steps = split_steps(twin, config.step_delimiter) or [twin]
+                examples.append(StepLabelledSample(row["prompt"], tuple(steps), tuple(step_labeller(row, steps))))
     return examples
 
 
