@@ -98,6 +98,17 @@ def test_program_output(isolate):
 
 
 @both_modes
+def test_program_runs_as_main_with_a_clean_namespace(isolate):
+    """The program runs in the interpreter that set the sandbox up: as `python main.py` would,
+    __main__ with argv ["main.py"], none of the set-up's names in its globals, UTF-8 mode on."""
+    code = ("import sys\nif __name__ == '__main__':\n    print(sys.argv, __file__, sys.flags.utf8_mode)\n"
+            "print(sorted(n for n in globals() if not n.startswith('__')))\n"
+            "import pickle\nclass Point: pass\nprint(type(pickle.loads(pickle.dumps(Point()))).__name__)")
+    result = attack(code, isolate=isolate)
+    assert result.stdout == "['main.py'] main.py 1\n['sys']\nPoint\n", result
+
+
+@both_modes
 def test_exception_gives_last_traceback_line(isolate):
     result = attack("print('before')\nx = 1 / 0", isolate=isolate)
     assert result.error == "ZeroDivisionError: division by zero"
