@@ -12,6 +12,7 @@ import torch
 
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.types import Rollout
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,36 @@ def tokenizer():
 def tiny_model(tokenizer):
     torch.manual_seed(0)
     return build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+
+
+class ScriptedEngine:
+    """A RolloutEngine that continues each context with reply(context), or, given a dict, with the
+    first reply whose key the context ends with; it records the SamplingParams it was given."""
+
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.params = tokenizer, []
+        self.reply = reply if callable(reply) else (lambda p: next(r for key, r in reply.items() if p.endswith(key)))
+
+    def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
+        self.params.append(params)
+        texts = [self.reply(p) for p in prompts]
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] or [self.tokenizer.eos_token_id]
+               for t in texts]
+        width = max(map(len, ids))
+        completion = torch.tensor([i + [self.tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+        return Rollout(prompts=list(prompts), completions=texts, input_ids=completion, attention_mask=mask,
+                       completion_mask=mask, truncated=torch.zeros(len(prompts), dtype=torch.bool), prompt_length=0,
+                       group_size=1)
+
+    def sync_weights(self, model):
+        pass
+
+
+@pytest.fixture(scope="session")
+def scripted_engine():
+    """The ScriptedEngine class: scripted_engine(tokenizer, reply) builds one."""
+    return ScriptedEngine
 
 
 @pytest.fixture(scope="session")

@@ -65,28 +65,7 @@ def test_checkpoint_overwrite_is_atomic_and_loadable(tiny_model, tokenizer, tmp_
 # --- tool-integrated reasoning on the built-in task ---------------------------------------------
 
 
-class _Replies:
-    """A RolloutEngine that answers each context from a function of the context."""
-
-    def __init__(self, tokenizer, reply):
-        self.tokenizer, self.reply, self.calls = tokenizer, reply, []
-
-    def generate(self, prompts, num_generations, params, rows=None, seeds=None):
-        from grpokit.types import Rollout
-
-        self.calls.append((list(prompts), params))
-        texts = [self.reply(p) for p in prompts]
-        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] or [self.tokenizer.eos_token_id]
-               for t in texts]
-        width = max(map(len, ids))
-        padded = torch.tensor([i + [self.tokenizer.pad_token_id] * (width - len(i)) for i in ids])
-        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
-        return Rollout(prompts=list(prompts), completions=texts, input_ids=padded, attention_mask=mask,
-                       completion_mask=mask, truncated=torch.zeros(len(prompts), dtype=torch.bool),
-                       prompt_length=0, group_size=1)
-
-
-def test_evaluate_tir_runs_each_program_and_grades_the_answer_line():
+def test_evaluate_tir_runs_each_program_and_grades_the_answer_line(scripted_engine):
     from grpokit.config import Config
     from grpokit.eval.evaluate import evaluate_tir
     from grpokit.eval.tir import OUTPUT_STOP
@@ -108,13 +87,13 @@ def test_evaluate_tir_runs_each_program_and_grades_the_answer_line():
         wrong = question.replace("3-5", "3-6")  # miscopies the question into its program
         return f"```python\nprint({wrong})\n```\n{OUTPUT_STOP}"
 
-    engine = _Replies(tokenizer, reply)
+    engine = scripted_engine(tokenizer, reply)
     result = evaluate_tir(engine, tokenizer, rows, task.tir_answer, max_new_tokens=40, max_model_len=2048)
     # 7+5-3+9 right (18); 3-5 run as 3-6 (-3, wrong); 9+9 stated 19 (wrong); 4+4 right with no program.
     assert result.greedy_accuracy == 0.5 and result.num_questions == 4
     assert result.programs == 3 and result.stop_reasons == {"answer": 4}
     assert result.completions[0] == "```python\nprint(7+5-3+9)\n```\n```output\n18\n```\nA: 18"
-    assert all(params.stop == (OUTPUT_STOP,) and params.temperature == 0 for _, params in engine.calls)
+    assert all(params.stop == (OUTPUT_STOP,) and params.temperature == 0 for params in engine.params)
     assert result.seconds >= result.generate_seconds + result.tool_seconds > 0
     # Cut at its tool-call limit, a rollout's answer is the last program output.
     cut = evaluate_tir(engine, tokenizer, rows[:1], task.tir_answer, 40, 2048, max_tool_calls=1)

@@ -33,7 +33,6 @@ from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.rollout.sampler import stop_string_cut
 from grpokit.stages import ASCII_ALPHABET
-from grpokit.types import Rollout
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).with_name("fixtures")
@@ -172,39 +171,16 @@ def test_prompts(ascii_tokenizer):
 # --- the TIR glue on a scripted engine -----------------------------------------------------
 
 
-class ScriptedEngine:
-    """A RolloutEngine that continues each context with the first scripted reply whose key
-    the context ends with; it records the SamplingParams it was given."""
-
-    def __init__(self, tokenizer, replies: dict[str, str]):
-        self.tokenizer, self.replies, self.params = tokenizer, replies, []
-
-    def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
-        self.params.append(params)
-        texts = [next(r for key, r in self.replies.items() if p.endswith(key)) for p in prompts]
-        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] or [self.tokenizer.eos_token_id]
-               for t in texts]
-        width = max(map(len, ids))
-        completion = torch.tensor([i + [self.tokenizer.pad_token_id] * (width - len(i)) for i in ids])
-        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
-        return Rollout(prompts=list(prompts), completions=texts, input_ids=completion, attention_mask=mask,
-                       completion_mask=mask, truncated=torch.zeros(len(prompts), dtype=torch.bool), prompt_length=0,
-                       group_size=1)
-
-    def sync_weights(self, model):
-        pass
-
-
 def _plain_file(tmp_path, rows):
     path = tmp_path / "plain.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def test_tir_glue_runs_the_program_and_appends_its_output(tmp_path, ascii_tokenizer):
+def test_tir_glue_runs_the_program_and_appends_its_output(tmp_path, ascii_tokenizer, scripted_engine):
     bench = load_benchmark(str(_plain_file(tmp_path, [{"question": "What is 6 times 7?", "answer": "42"}])))
     call = "Compute it.\n```python\nx = 6 * 7\nprint(x)\n```\n" + OUTPUT_STOP
-    engine = ScriptedEngine(ascii_tokenizer, {"Assistant:": call, "```output\n42\n```\n": "So \\boxed{42}."})
+    engine = scripted_engine(ascii_tokenizer, {"Assistant:": call, "```output\n42\n```\n": "So \\boxed{42}."})
     timings = Timings()
     [record] = evaluate_chunk(bench, [0], "tir", engine, ascii_tokenizer, EvalSettings(max_new_tokens=64), timings)
     assert record["completion"] == call + "\n42\n```\nSo \\boxed{42}."
@@ -213,16 +189,16 @@ def test_tir_glue_runs_the_program_and_appends_its_output(tmp_path, ascii_tokeni
     assert [p.stop for p in engine.params] == [(OUTPUT_STOP,), (OUTPUT_STOP,)] and engine.params[0].temperature == 0
     assert timings.programs == 1 and timings.generate_calls == 2 and timings.tools > 0
     # CoT: one generation, no stop string, the program never runs.
-    engine = ScriptedEngine(ascii_tokenizer, {"Assistant:": call})
+    engine = scripted_engine(ascii_tokenizer, {"Assistant:": call})
     [cot] = evaluate_chunk(bench, [0], "cot", engine, ascii_tokenizer, EvalSettings(max_new_tokens=64), Timings())
     assert cot["completion"] == call and cot["tool_calls"] == 0 and not cot["correct"]
     assert [p.stop for p in engine.params] == [()]
 
 
-def test_tir_glue_tool_limit_samples_and_context_limit(tmp_path, ascii_tokenizer):
+def test_tir_glue_tool_limit_samples_and_context_limit(tmp_path, ascii_tokenizer, scripted_engine):
     bench = load_benchmark(str(_plain_file(tmp_path, [{"question": "Loop?", "answer": "3"}])))
     call = "```python\nprint(3)\n```\n" + OUTPUT_STOP
-    engine = ScriptedEngine(ascii_tokenizer, {"Assistant:": call, "```\n": call})
+    engine = scripted_engine(ascii_tokenizer, {"Assistant:": call, "```\n": call})
     settings = EvalSettings(max_new_tokens=16, max_tool_calls=2, k=3, temperature=0.7)
     [record] = evaluate_chunk(bench, [0], "tir", engine, ascii_tokenizer, settings, Timings())
     # Two rounds, each running the program; the last output is the answer (tool_limit).
