@@ -30,6 +30,7 @@ def test_demo_writes_the_run_directory(tmp_path):
     assert summary["seed"] == 3
     # Table 5 in miniature: CoT and TIR, before and after, in the output and results.md.
     assert "greedy accuracy      CoT     TIR" in proc.stdout and "TIR" in (out / "results.md").read_text()
+    assert "TIR evaluation of 8 questions: " in proc.stdout and "x CoT greedy's " in proc.stdout
     assert summary["sft"]["tir"]["num_questions"] == summary["grpo"]["tir"]["num_questions"] == 8
     assert isinstance(summary["tir_improvement_points"], float) and 0 <= summary["grpo_tir_accuracy"] <= 1
     assert "stage times: sft " in proc.stdout and all(

@@ -379,10 +379,10 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
     table = format_table(task, before, after, config.algo)
     print(table)
     if after.tir is not None:
-        tir = after.tir
-        print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({tir.seconds / after.greedy_seconds:.1f}x "
-              f"CoT greedy's {after.greedy_seconds:.1f}s): generation {tir.generate_seconds:.1f}s, "
-              f"{tir.programs} programs {tir.tool_seconds:.1f}s")
+        tir, cot_s = after.tir, after.greedy_seconds
+        ratio = f"{tir.seconds / cot_s:.1f}x CoT greedy's {cot_s:.1f}s; " if cot_s > 0 else ""
+        print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({ratio}generation "
+              f"{tir.generate_seconds:.1f}s, {tir.programs} programs {tir.tool_seconds:.1f}s)")
     print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
     if distributed.is_main():  # every process evaluated the same questions; one writes
         (run_dir / "results.md").write_text(table + "\n")
