@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpokit.config import load_config
     from grpokit.eval.evaluate import evaluate_tir
     from grpokit.models import load_model_and_tokenizer
-    from grpokit.rollout import HFEngine, SamplingParams
+    from grpokit.rollout import HFEngine, SamplingParams, max_model_len
     from grpokit.sandbox import namespaces_available, run_many
     from grpokit.tasks import task_for
 
@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     cot()  # warm-up: first-call allocations
     for _ in range(args.repeats):
         cot_runs.append(cot())
-        tir_runs.append(evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer, max_new, 2048, e.max_tool_calls,
-                                     e.tool_timeout_s, e.batch_size))
+        tir_runs.append(evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer, max_new,
+                                     max_model_len(config.rollout, model), e.max_tool_calls, e.tool_timeout_s,
+                                     e.batch_size))
     cot_s = statistics.median(s for s, _ in cot_runs)
     tir_s = statistics.median(r.seconds for r in tir_runs)
     gen_s = statistics.median(r.generate_seconds for r in tir_runs)

@@ -227,9 +227,10 @@ def one_slip(question: str, completion: str, rng: random.Random) -> str | None:
     "7+5-3+9", "12-3+9\n9+9\nA: 18" -> e.g. "12-3+9\n10+9\nA: 19" (the second step slips).
     """
     steps, answer = solve(question)
-    if [line.strip() for line in completion.strip().split("\n")] not in (steps + [f"A: {answer}"], [f"A: {answer}"]):
+    lines = [line.strip() for line in completion.strip().split("\n")]
+    if lines not in (steps + [f"A: {answer}"], [f"A: {answer}"]):
         return None
-    worked = "\n" in completion.strip()
+    worked = len(lines) > 1
     slip_at = rng.randrange(len(steps) + 1) if worked else 0  # a step line, or the answer line
     kept = steps[:slip_at] if worked else []
     if worked and slip_at < len(steps):

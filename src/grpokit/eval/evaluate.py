@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from math import comb
 
 from grpokit.rollout import HFEngine, SamplingParams
@@ -24,10 +24,9 @@ class EvalResult:
     tir: TIRResult | None = None  # the same questions with tool-integrated reasoning, when evaluated
 
     def as_dict(self) -> dict:
-        out = asdict(self)
-        del out["greedy_completions"]
-        if self.tir is not None:
-            out["tir"] = self.tir.as_dict()
+        """The numbers, without the completions (the TIR result's as its own as_dict)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("greedy_completions", "tir")}
+        out["tir"] = self.tir.as_dict() if self.tir is not None else None
         return out
 
 
@@ -46,9 +45,7 @@ class TIRResult:
     completions: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
-        out = asdict(self)
-        del out["completions"]
-        return out
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "completions"}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -145,7 +142,7 @@ def evaluate_tir(
     traced = rollouts(generate, [r["prompt"] for r in rows], "tir", max_tool_calls,
                       timed_sandbox(timings, tool_timeout_s))
     completions = [trace.completion for trace, _ in traced]
-    hits = sum((a := extract_answer(c)) is not None and a.strip() == str(r[answer_key]).strip()
+    hits = sum((a := extract_answer(c)) is not None and _string_equal(a, str(r[answer_key]))
                for r, c in zip(rows, completions))
     return TIRResult(hits / len(rows), len(rows), timings.programs, time.perf_counter() - start, timings.generate,
                      timings.tools, namespaces_available(), dict(Counter(reason for _, reason in traced)),

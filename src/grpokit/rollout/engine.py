@@ -52,14 +52,19 @@ def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generatio
             for p in prompt_indices for s in range(num_generations)]
 
 
+def max_model_len(rollout_config, model: torch.nn.Module) -> int:
+    """The longest prompt + completion an engine serves: rollout.max_model_len, else the model's
+    max_position_embeddings (4096 when its config has none)."""
+    return rollout_config.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
+
+
 def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0) -> RolloutEngine:
     """The engine rollout.engine names, built once from the policy (vLLM: in this process,
     colocated, with prefix caching and a bounded KV cache)."""
     if rollout_config.engine == "vllm":
         from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
 
-        max_len = rollout_config.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return VLLMEngine(model, tokenizer, max_model_len=max_len, kv_cache_gb=rollout_config.kv_cache_gb,
+        return VLLMEngine(model, tokenizer, max_model_len=max_model_len(rollout_config, model), kv_cache_gb=rollout_config.kv_cache_gb,
                           dtype=dtype, seed=seed, enable_sleep_mode=rollout_config.sleep_mode)
     return HFEngine(model, tokenizer)

@@ -8,7 +8,7 @@ from typing import Callable, Protocol
 from grpokit.config import Config
 from grpokit.eval import EvalResult, evaluate
 from grpokit.eval.evaluate import evaluate_tir
-from grpokit.rollout import HFEngine
+from grpokit.rollout import HFEngine, max_model_len
 
 
 @dataclass
@@ -65,7 +65,7 @@ def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config
                       grade=None if exact_match else task.grade)
     tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
     if tir_rows:
-        max_model_len = config.rollout.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
         result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer, config.grpo.max_completion_length,
-                                  max_model_len, e.max_tool_calls, e.tool_timeout_s, e.batch_size)
+                                  max_model_len(config.rollout, model), e.max_tool_calls, e.tool_timeout_s,
+                                  e.batch_size)
     return result
