@@ -61,12 +61,15 @@ def sft_checkpoint(tmp_path_factory):
     return out / "checkpoints" / "sft"
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_run(sft_checkpoint, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(sft_checkpoint, tmp_path, dtype):
+    """bf16: bf16 compute over fp32 master weights, which the checkpoint's master/ carries across the kill."""
     model = f"--model.name_or_path={sft_checkpoint}"
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    cli("train", model, f"--output_dir={straight}", "--grpo.max_steps=6", *RUN)
+    run = [*RUN, f"--model.dtype={dtype}"]
+    cli("train", model, f"--output_dir={straight}", "--grpo.max_steps=6", *run)
 
-    proc = start("train", model, f"--output_dir={killed}", "--grpo.max_steps=6", *RUN)
+    proc = start("train", model, f"--output_dir={killed}", "--grpo.max_steps=6", *run)
     wait_for_rows(killed / "metrics.jsonl", 3, proc)  # step 3 done, checkpoint step-2 on disk
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
@@ -76,11 +79,15 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(sft_checkpoint, tmp_pa
     resumed = cli("train", str(killed / "config.yaml"), "--resume")
     assert "resumed from" in resumed.stderr and "step-" in resumed.stderr
 
-    a = load_file(straight / "checkpoints" / "step-6" / "model.safetensors")
-    b = load_file(killed / "checkpoints" / "step-6" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    weights = ["model.safetensors"] + (["master/model.safetensors"] if dtype == "bf16" else [])
+    for file in weights:
+        a = load_file(straight / "checkpoints" / "step-6" / file)
+        b = load_file(killed / "checkpoints" / "step-6" / file)
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    if dtype == "bf16":
+        assert {t.dtype for t in a.values()} == {torch.float32}  # the master weights: fp32
     rows_a, rows_b = read_metrics(straight / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]  # the redone step 3 is logged once
     assert comparable(rows_b) == comparable(rows_a)

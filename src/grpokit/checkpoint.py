@@ -4,6 +4,7 @@ A checkpoint directory `checkpoints/step-N/` holds
   model.safetensors, config.json, tokenizer files   (AutoModelForCausalLM.from_pretrained loads it)
   trainer_state.pt    optimizer, scheduler, RNG streams, step, data-sampler position
   trainer_state.rank{r}.pt   the same for process r > 0 of a torchrun run (optimizer shards, RNG)
+  master/             fp32 master weights, when compute ran in bf16 (model.safetensors is then bf16)
   config.yaml         the run's config when it was saved
   manifest.json       size and sha256 of every file above, written last
 
@@ -30,6 +31,7 @@ from grpokit import distributed
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
+MASTER_DIR = "master"  # fp32 master weights of a mixed-precision run
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_STATE = re.compile(r"^trainer_state\.rank(\d+)\.pt$")
 
@@ -118,10 +120,45 @@ def verify_checkpoint(directory: str | Path) -> list[str]:
 
 def save_model_files(model, tokenizer, directory: Path, state_dict=None) -> None:
     """model.safetensors + config.json + tokenizer files that from_pretrained loads; a PEFT model
-    writes its adapter (adapter_model.safetensors + adapter_config.json) instead of full weights."""
-    kwargs = {"state_dict": state_dict} if state_dict is not None else {}
-    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    writes its adapter (adapter_model.safetensors + adapter_config.json) instead of full weights.
+
+    A model trained with fp32 master weights and a lower compute dtype (models/precision.py) is
+    written in its compute dtype, which is what it runs in, and its fp32 master weights go to
+    master/ beside it (a Hugging Face checkpoint of their own), from which a resume or a later
+    stage continues exactly."""
+    from grpokit.models.lora import is_lora
+    from grpokit.models.precision import compute_dtype, compute_dtype_state
+
+    dtype = compute_dtype(model)
+    state = state_dict
+    if dtype is not None and not is_lora(model) and _weights_dtype(model, state) != dtype:
+        model.save_pretrained(directory / MASTER_DIR, safe_serialization=True,
+                              **({"state_dict": state} if state is not None else {}))
+        state = compute_dtype_state(state if state is not None else model.state_dict(), dtype)
+        model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+        _set_config_dtype(directory / "config.json", dtype)
+    else:
+        model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
     tokenizer.save_pretrained(directory)
+
+
+def _weights_dtype(model, state_dict=None):
+    """The dtype of the first floating-point weight (of the gathered `state_dict` when given)."""
+    tensors = state_dict.values() if state_dict is not None else model.parameters()
+    return next((t.dtype for t in tensors if t.is_floating_point()), None)
+
+
+def _set_config_dtype(config_file: Path, dtype) -> None:
+    """config.json's dtype: save_pretrained records the live (master) weights' dtype, not the saved one."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def master_weights_dir(directory: str | Path) -> Path | None:
+    """The fp32 master weights saved beside a checkpoint's compute-dtype weights, if any."""
+    master = Path(directory) / MASTER_DIR
+    return master if (master / "config.json").is_file() else None
 
 
 def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=None, state_dict=None) -> Path:

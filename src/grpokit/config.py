@@ -65,7 +65,12 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = opt("", "local path or hub id of the policy; empty builds the built-in tiny model")
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = opt("auto", "parameter dtype; auto = bf16 on CUDA, fp32 on CPU")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = opt("auto", "compute dtype (matrix products); auto = bf16 on "
+                                                                 "CUDA, fp32 on CPU")
+    master_dtype: Literal["fp32", "same"] = opt("fp32", "dtype of trained weights and optimizer state: fp32 (a master "
+                                                        "copy; updates below bf16's resolution still land) or same "
+                                                        "(= model.dtype, no master copy: less memory, small "
+                                                        "updates round away)")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     attn_implementation: Optional[str] = opt(None, "passed to from_pretrained, e.g. sdpa or flash_attention_2")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (off unless you trust it)")

@@ -40,6 +40,7 @@ from grpokit.data.sources import check_sources
 from grpokit.eval.plots import plot_reward_curve
 from grpokit.runlock import RunLock
 from grpokit.models.lora import apply_lora, is_lora, load_lora
+from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import make_engine
@@ -93,7 +94,8 @@ def run_sft(config: Config, progress: bool = True) -> Path:
     with run_lock(config.output_dir):
         run_dir = start_run(config, write=distributed.is_main())
         model, tokenizer = load_policy(config)
-        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"{describe_precision(model)}")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if world_sharding(config.distributed.fsdp):
@@ -242,7 +244,8 @@ def _policy_for_run(config: Config, checkpoint: Path | None):
     with LoRA (model.lora.r > 0), the base model plus new or resumed adapters, and no separate
     reference (the trainer runs the base under the adapters). None = the trainer makes the reference."""
     lora = config.model.lora.r > 0
-    model, tokenizer = load_policy(config, None if lora or checkpoint is None else str(checkpoint))
+    # a LoRA base is frozen (compute dtype); a full fine-tune holds model.master_dtype weights
+    model, tokenizer = load_policy(config, None if lora or checkpoint is None else str(checkpoint), trainable=not lora)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
@@ -250,7 +253,7 @@ def _policy_for_run(config: Config, checkpoint: Path | None):
         model = apply_lora(model, config.model.lora) if checkpoint is None else load_lora(model, checkpoint)
     elif checkpoint is not None and config.grpo.beta > 0:
         # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
-        ref_model = frozen_copy(load_policy(config)[0])
+        ref_model = frozen_copy(load_policy(config, trainable=False)[0])
     return model, tokenizer, ref_model
 
 
@@ -285,7 +288,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         data = task.data(tokenizer, sft=False)
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-              f"{len(rows)} RL questions, {len(heldout)} held-out questions")
+              f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed)
         timings = dict(timings or {})
         before = None
@@ -421,7 +424,7 @@ def run_label_steps(config: Config, out: str, progress: bool = True) -> dict:
     rm = config.reward_model
     with RunLock(config.output_dir):
         run_dir = start_run(config)
-        policy, tokenizer = load_policy(config)
+        policy, tokenizer = load_policy(config, trainable=False)  # it only samples
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
         rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))

@@ -14,6 +14,7 @@ from grpokit.loggers import make_loggers
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device
+from grpokit.models.precision import resolve_precision, set_compute_dtype
 from grpokit.rewards import WeightedReward, get_reward_function
 from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
 from grpokit.rewards.scoring import row_columns, score_completions
@@ -38,18 +39,23 @@ def build_rewards(config: Config) -> list[WeightedReward]:
     return [WeightedReward(r.name, get_reward_function(r.name), r.weight, r.timeout_s) for r in config.rewards]
 
 
-def load_policy(config: Config, path: str | None = None):
-    """(model, tokenizer): `path` or model.name_or_path through the hub loader, or a fresh tiny model."""
+def load_policy(config: Config, path: str | None = None, trainable: bool = True):
+    """(model, tokenizer): `path` or model.name_or_path through the hub loader, or a fresh tiny model.
+    A `trainable` model holds its weights in model.master_dtype, a frozen one in model.dtype; both
+    compute in model.dtype (models/precision.py)."""
     m = config.model
+    master = m.master_dtype if trainable else "same"
     if path or m.name_or_path:
         return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
-                                        m.trust_remote_code)
+                                        m.trust_remote_code, master_dtype=master)
     t = m.tiny
     alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
     tokenizer = build_char_tokenizer(alphabets[t.alphabet])
     model = build_tiny_model(tokenizer, t.architecture, t.hidden_size, t.num_layers, t.num_heads,
                              t.intermediate_size, seed=config.seed)
-    return model.to(resolve_device(m.device)), tokenizer
+    device = resolve_device(m.device)
+    precision = resolve_precision(m.dtype, master, device)
+    return set_compute_dtype(model.to(device=device, dtype=precision.master), precision.compute), tokenizer
 
 
 def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
@@ -108,7 +114,9 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
     rm = config.reward_model
     path = rm.path if path is None else path
     if path:
-        model, rm_tokenizer, info = load_reward_model(path, rm.device, config.model.dtype)
+        retrained = config.iterative.iterations > 1  # iterative GRPO trains it on: fp32 master weights
+        model, rm_tokenizer, info = load_reward_model(path, rm.device, config.model.dtype,
+                                                      config.model.master_dtype if retrained else "same")
         if info.kind != rm.kind:
             raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():

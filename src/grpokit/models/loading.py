@@ -36,15 +36,25 @@ def load_model_and_tokenizer(
     device: str = "auto",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    master_dtype: str = "same",
 ):
     """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer.
+
+    `dtype` is the compute dtype; `master_dtype` the dtype the weights are held in: "fp32" for a
+    model that trains (models/precision.py; a checkpoint's fp32 master/ weights are read when
+    present, so training continues from exactly where it stopped), "same" for one that only runs
+    (evaluation, a frozen reference).
 
     A tokenizer without a pad token reuses its EOS token for padding; padding is always
     masked out, so this never changes what the model learns.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpokit.checkpoint import master_weights_dir
+    from grpokit.models.precision import resolve_precision, set_compute_dtype
+
     dev = resolve_device(device)
+    precision = resolve_precision(dtype, master_dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:  # transformers' "Repo id must use alphanumeric chars", offline misses
@@ -57,10 +67,12 @@ def load_model_and_tokenizer(
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token; add one")
         tokenizer.pad_token = tokenizer.eos_token
-    kwargs = {"dtype": resolve_dtype(dtype, dev), "trust_remote_code": trust_remote_code}
+    kwargs = {"dtype": precision.master, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs).to(dev)
+    master = master_weights_dir(name_or_path) if precision.mixed else None
+    model = AutoModelForCausalLM.from_pretrained(str(master or name_or_path), **kwargs).to(dev)
+    set_compute_dtype(model, precision.compute)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

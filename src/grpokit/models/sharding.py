@@ -4,7 +4,8 @@ Each decoder layer is its own FSDP unit and the root holds the rest (embeddings,
 LM head), so a forward all-gathers one layer at a time. Gradients are summed over processes,
 not averaged: each process back-propagates sum_local / global count (docs/algorithm.md, "the
 same loss on any number of processes"), and the sum of those is the whole batch's gradient.
-On CUDA a MixedPrecisionPolicy computes in bf16 and reduces gradients in fp32.
+A MixedPrecisionPolicy computes in the model's compute dtype (bf16) over fp32 master shards and
+reduces gradients in fp32 (models/precision.py).
 
 A sharded model runs forward, backward and `generate` like the plain one, but every process
 must make the same calls in the same order (each forward all-gathers). Its state dict holds
@@ -44,14 +45,31 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                      "layer by layer; FSDP2 needs the decoder blocks")
 
 
+def mixed_precision_policy(model: torch.nn.Module):
+    """FSDP2's MixedPrecisionPolicy for `model`: its weights gathered in its compute dtype
+    (models/precision.py) and its gradients reduced in fp32, when that dtype is lower than the
+    weights'; else none. fp16 is refused: FSDP2 has no loss scaling for it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from grpokit.models.precision import compute_dtype
+
+    held = next(model.parameters()).dtype
+    compute = compute_dtype(model) or held
+    if torch.float16 in (compute, held):
+        from grpokit.config import ConfigError
+
+        raise ConfigError("model.dtype=fp16 cannot train under FSDP2 (no loss scaling): set model.dtype=bf16")
+    if compute == held:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """fully_shard each decoder layer and the root (see fsdp_root), in place; gradients summed
     over processes."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda \
-        else MixedPrecisionPolicy()
+    policy = mixed_precision_policy(model)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(fsdp_root(model), mp_policy=policy)

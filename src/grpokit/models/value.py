@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from grpokit.models.precision import compute_dtype, in_compute_dtype, set_compute_dtype
+
+
+def trained_dtype(policy: torch.nn.Module) -> torch.dtype:
+    """The dtype the policy's trained weights are held in (its LoRA adapters', over a frozen base):
+    a model trained beside it (critic, reward model) holds its weights the same way."""
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    return (trained or list(policy.parameters()))[0].dtype
+
 
 def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Module:
     """`auto_class` (AutoModelForTokenClassification or ...SequenceClassification) with one output,
@@ -18,7 +27,7 @@ def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Mod
     config.num_labels = 1
     config.problem_type = "regression"
     config.classifier_dropout = 0.0  # scores must not be noisy; HF's default would be 0.1
-    model = auto_class.from_config(config).to(device=device, dtype=next(policy.parameters()).dtype)
+    model = auto_class.from_config(config).to(device=device, dtype=trained_dtype(policy))
     from grpokit.models.lora import is_lora, merged_state_dict
     from grpokit.models.sharding import full_state_dict
 
@@ -28,6 +37,7 @@ def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Mod
     if is_lora(policy):
         state = merged_state_dict(policy, state)
     missing, _ = model.load_state_dict(state, strict=False)  # the LM head is not carried over
+    set_compute_dtype(model, compute_dtype(policy))
     backbone_missing = [k for k in missing if not k.startswith("score.")]
     if backbone_missing:
         raise ValueError(f"cannot initialise a {model.__class__.__name__} from the policy: backbone weights "
@@ -45,11 +55,12 @@ def build_critic(policy: torch.nn.Module, init_from: str = "") -> torch.nn.Modul
 
     if init_from:
         critic = AutoModelForTokenClassification.from_pretrained(init_from, num_labels=1, classifier_dropout=0.0,
-                                                                 dtype=next(policy.parameters()).dtype)
-        return critic.to(next(policy.parameters()).device)
+                                                                 dtype=trained_dtype(policy))
+        return set_compute_dtype(critic.to(next(policy.parameters()).device), compute_dtype(policy))
     return scalar_head_from_policy(policy, AutoModelForTokenClassification)
 
 
+@in_compute_dtype
 def token_values(
     critic: torch.nn.Module,
     input_ids: torch.Tensor,

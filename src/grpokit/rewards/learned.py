@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from grpokit.data.reward_data import split_steps
+from grpokit.models.precision import compute_autocast
 
 META_FILE = "grpokit_reward_model.json"
 Kind = Literal["outcome", "process"]
@@ -70,12 +71,15 @@ def save_reward_model(model, tokenizer, info: RewardModelInfo, path: str | Path,
     return save_checkpoint(model, tokenizer, path, extra=extra)
 
 
-def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer, info) from a directory written by `grpokit train-rm`; `dtype` as for the
-    policy (pass the policy's, so a reloaded reward model trains in the precision it started in)."""
+def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto", master_dtype: str = "same"):
+    """(model, tokenizer, info) from a directory written by `grpokit train-rm`. `dtype` is the compute
+    dtype, as for the policy; `master_dtype` "fp32" for a reward model that trains on (iterative GRPO),
+    "same" for one that only scores (models/precision.py)."""
     from transformers import AutoTokenizer
 
-    from grpokit.models.loading import resolve_device, resolve_dtype
+    from grpokit.checkpoint import master_weights_dir
+    from grpokit.models.loading import resolve_device
+    from grpokit.models.precision import resolve_precision, set_compute_dtype
 
     directory = Path(path)
     meta = directory / META_FILE
@@ -92,7 +96,10 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = _auto_class(info.kind).from_pretrained(directory, dtype=resolve_dtype(dtype, dev), num_labels=1).to(dev)
+    precision = resolve_precision(dtype, master_dtype, dev)
+    weights = (master_weights_dir(directory) if precision.mixed else None) or directory
+    model = _auto_class(info.kind).from_pretrained(weights, dtype=precision.master, num_labels=1).to(dev)
+    set_compute_dtype(model, precision.compute)
     model.config.pad_token_id = tokenizer.pad_token_id  # `encode` pads with it; the sequence head must agree
     return model.eval(), tokenizer, info
 
@@ -199,7 +206,8 @@ class OutcomeRewardModel:
         """Scores with gradients (for training): [N] float32."""
         inputs = encode(self.tokenizer, prompts, [[c] for c in completions])
         device = next(self.model.parameters()).device
-        out = self.model(input_ids=inputs.input_ids.to(device), attention_mask=inputs.attention_mask.to(device))
+        with compute_autocast(self.model):
+            out = self.model(input_ids=inputs.input_ids.to(device), attention_mask=inputs.attention_mask.to(device))
         return out.logits[:, 0].float()
 
     @torch.no_grad()
@@ -242,8 +250,9 @@ class ProcessRewardModel:
         """Logits with gradients (for training): one [K_i] tensor per completion."""
         inputs = encode(self.tokenizer, prompts, steps)
         device = next(self.model.parameters()).device
-        logits = self.model(input_ids=inputs.input_ids.to(device),
-                            attention_mask=inputs.attention_mask.to(device)).logits[..., 0].float()
+        with compute_autocast(self.model):
+            logits = self.model(input_ids=inputs.input_ids.to(device),
+                                attention_mask=inputs.attention_mask.to(device)).logits[..., 0].float()
         return [logits[i, torch.tensor(p, device=device)] for i, p in enumerate(inputs.step_positions)]
 
     @torch.no_grad()

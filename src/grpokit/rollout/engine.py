@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from grpokit.models.precision import compute_dtype
 from grpokit.rollout.sampler import SamplingParams, sample_groups
 from grpokit.types import Rollout
 
@@ -64,7 +65,8 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
     if rollout_config.engine == "vllm":
         from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
 
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # vLLM runs in the policy's compute dtype (bf16 over fp32 master weights; models/precision.py)
+        dtype = str(compute_dtype(model) or next(model.parameters()).dtype).removeprefix("torch.")
         return VLLMEngine(model, tokenizer, max_model_len=max_model_len(rollout_config, model), kv_cache_gb=rollout_config.kv_cache_gb,
                           dtype=dtype, seed=seed, enable_sleep_mode=rollout_config.sleep_mode)
     return HFEngine(model, tokenizer)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from grpokit.models.precision import in_compute_dtype
+
 # transformers model types whose causal-LM forward is exactly `lm_head(decoder(...)[0])`,
 # optionally followed by `final_logit_softcapping` (applied here the same way). Others, such
 # as Cohere (logit_scale) or Granite (logits_scaling), rescale logits in their own forward,
@@ -57,6 +59,7 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@in_compute_dtype
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

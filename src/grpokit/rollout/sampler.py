@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from grpokit.models.precision import in_compute_dtype
 from grpokit.types import Rollout
 
 
@@ -103,6 +104,7 @@ def _is_sharded(model: torch.nn.Module) -> bool:
 
 
 @torch.no_grad()
+@in_compute_dtype
 def sample_groups(
     model: torch.nn.Module,
     tokenizer,

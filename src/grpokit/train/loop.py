@@ -34,6 +34,7 @@ from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, truncate_metrics
 from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
+from grpokit.models.precision import as_frozen
 from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
@@ -57,7 +58,7 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     if is_sharded(model):
         raise ValueError("a sharded (FSDP2) policy cannot be copied into a reference: make the frozen copy "
                          "before sharding and pass it as ref_model, sharded the same way")
-    ref = copy.deepcopy(model).eval()
+    ref = as_frozen(copy.deepcopy(model)).eval()  # held in the compute dtype: it is never updated
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref

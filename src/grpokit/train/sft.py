@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from grpokit import distributed
 from grpokit.config import SFTConfig
+from grpokit.models.precision import compute_autocast
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
 IGNORE = -100  # label of prompt and padding tokens: no loss there
@@ -199,7 +200,8 @@ def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConf
         if world > 1:  # sum of this process's token losses / the whole batch's token count
             count = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum())
             inputs["num_items_in_batch"] = count.to(device)
-        out = model(**inputs, use_cache=False)
+        with compute_autocast(model):
+            out = model(**inputs, use_cache=False)
         loss = distributed.all_reduce_sum(out.loss.detach())  # the whole batch's mean token loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss became {loss.item()} at step {len(losses)}; lower sft.learning_rate")
