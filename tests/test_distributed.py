@@ -22,6 +22,7 @@ from grpokit.config import Config, ConfigError, GRPOConfig, LoraConfig, check_wo
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.models.precision import set_compute_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.train.grpo import GRPOTrainer, frozen_copy, update_policy
@@ -48,11 +49,14 @@ def fixed_batch():
     return rows, rollout, rewards, valid
 
 
-CASES = [(aggregation, False) for aggregation in AGGREGATIONS] + [("token", True)]  # (aggregation, LoRA)
+# (aggregation, LoRA, compute dtype); bf16: fp32 master weights, FSDP2 gathers them in bf16 and reduces
+# gradients in fp32, the one process runs under autocast (models/precision.py)
+CASES = [(aggregation, False, "fp32") for aggregation in AGGREGATIONS] + [("token", True, "fp32"),
+                                                                          ("token", False, "bf16")]
 
 
 def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: int, world: int, shard: bool,
-             micro_batch_size: int, run_dir, steps: int = 1) -> dict:
+             micro_batch_size: int, run_dir, steps: int = 1, dtype: str = "fp32") -> dict:
     """One SGD step (lr 1, no clipping) on this process's contiguous whole groups; the full weights
     (before the step with steps=0)."""
     from grpokit.models.lora import apply_lora
@@ -60,6 +64,8 @@ def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: 
 
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     model = tiny(tokenizer)
+    if dtype == "bf16":
+        set_compute_dtype(model, torch.bfloat16)
     ref = None
     if lora:  # the trainer runs the base model under the adapters as the reference
         model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
@@ -132,11 +138,11 @@ def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -
         tiles = sharded_logprob_tiles(batch[1])
         if rank == 0:
             torch.save(tiles, os.path.join(out_dir, "tiles.pt"))
-        for aggregation, lora in CASES:
+        for aggregation, lora, dtype in CASES:
             state = one_step(*batch, aggregation, lora, rank, world, shard=True, micro_batch_size=3,
-                             run_dir=os.path.join(out_dir, f"rank{rank}"))
+                             run_dir=os.path.join(out_dir, f"rank{rank}"), dtype=dtype)
             if rank == 0:
-                torch.save(state, os.path.join(out_dir, f"{aggregation}-{lora}.pt"))
+                torch.save(state, os.path.join(out_dir, f"{aggregation}-{lora}-{dtype}.pt"))
         losses = sft_losses(shard=True)
         if rank == 0:
             torch.save(losses, os.path.join(out_dir, "sft.pt"))
@@ -159,22 +165,26 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
 
     mp.spawn(_equivalence_worker, args=(WORLD, free_port(), batch, str(tmp_path)), nprocs=WORLD, join=True)
 
-    for aggregation, lora in CASES:
+    for aggregation, lora, dtype in CASES:
         single = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
-                          run_dir=tmp_path / "single")
-        sharded = torch.load(tmp_path / f"{aggregation}-{lora}.pt")
+                          run_dir=tmp_path / "single", dtype=dtype)
+        sharded = torch.load(tmp_path / f"{aggregation}-{lora}-{dtype}.pt")
         assert sharded.keys() == single.keys()
+        assert {v.dtype for v in sharded.values()} == {torch.float32}  # bf16 too: the master weights
         torch.manual_seed(0)
         initial = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
-                           run_dir=tmp_path / "initial", steps=0)
+                           run_dir=tmp_path / "initial", steps=0, dtype=dtype)
         moved = max(float((single[k] - initial[k]).abs().max()) for k in single)
         worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
-        print(f"{aggregation}{' LoRA' if lora else ''}: largest weight change {moved:.3e}, largest 2-process vs "
-              f"1-process difference {worst:.3e}")
+        print(f"{aggregation}{' LoRA' if lora else ''} {dtype}: largest weight change {moved:.3e}, largest "
+              f"2-process vs 1-process difference {worst:.3e}")
         assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
+        # fp32: the same arithmetic up to summation order. bf16: FSDP2 computes every op in bf16, autocast
+        # keeps norms and reductions in fp32, so the two differ by bf16 rounding of the gradient (2^-8).
+        tolerance = 1e-5 if dtype == "fp32" else 0.02 * moved
         for k in single:
-            torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=1e-5,
-                                       msg=lambda m, k=k: f"{aggregation}, {k}: {m}")
+            torch.testing.assert_close(sharded[k], single[k], rtol=0, atol=tolerance,
+                                       msg=lambda m, k=k: f"{aggregation} {dtype}, {k}: {m}")
 
     # Under FSDP2 the head saw tiles of at most chunk_size positions, never the whole batch's logits.
     tiles = torch.load(tmp_path / "tiles.pt")
