@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         run = out / name
         grpokit("train", str(PRESET), f"--output-dir={run}", f"--model.name_or_path={sft_dir}",
                 f"--model.device={args.device}", f"--grpo.max_steps={args.steps}",
-                f"--grpo.learning_rate={args.lr}", "--eval.before=false", "--data.num_eval_questions=1",
+                f"--grpo.learning_rate={args.lr}", "--eval.before=false", "--task.num_eval_questions=1",
                 "--eval.tir=false", *VARIANTS[name], *args.extra)
         before = start if name != "bf16_same" else {k: v.to(torch.bfloat16) for k, v in start.items()}
         mean, changed = movement(before, trained_weights(run / "checkpoints" / f"step-{args.steps}"))

@@ -124,6 +124,9 @@ def test_checkpoints_hold_bf16_weights_and_fp32_master_weights(tmp_path):
     again, _ = load_model_and_tokenizer(str(path), "bf16", "cpu", master_dtype="fp32")
     for name, w in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], w), name
+    # so does an fp32 run (fp32 compute) given this checkpoint: not the bf16-rounded weights
+    fp32, _ = load_model_and_tokenizer(str(path), "fp32", "cpu", master_dtype="fp32")
+    assert all(torch.equal(fp32.state_dict()[name], w) for name, w in model.state_dict().items())
     # one that only runs it takes the bf16 weights
     frozen, _ = load_model_and_tokenizer(str(path), "bf16", "cpu")
     assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}

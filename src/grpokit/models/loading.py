@@ -70,7 +70,8 @@ def load_model_and_tokenizer(
     kwargs = {"dtype": precision.master, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    master = master_weights_dir(name_or_path) if precision.mixed else None
+    # fp32 weights come from a checkpoint's fp32 master/ where it has one (its model.safetensors is bf16)
+    master = master_weights_dir(name_or_path) if precision.master == torch.float32 else None
     model = AutoModelForCausalLM.from_pretrained(str(master or name_or_path), **kwargs).to(dev)
     set_compute_dtype(model, precision.compute)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:

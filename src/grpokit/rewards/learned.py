@@ -97,7 +97,7 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     precision = resolve_precision(dtype, master_dtype, dev)
-    weights = (master_weights_dir(directory) if precision.mixed else None) or directory
+    weights = (master_weights_dir(directory) if precision.master == torch.float32 else None) or directory
     model = _auto_class(info.kind).from_pretrained(weights, dtype=precision.master, num_labels=1).to(dev)
     set_compute_dtype(model, precision.compute)
     model.config.pad_token_id = tokenizer.pad_token_id  # `encode` pads with it; the sequence head must agree
