@@ -194,6 +194,7 @@ class Check:
     caps: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # what setup found: versions, device, precision keys
+    step_started: float = 0.0
 
     @property
     def log(self) -> Path:
@@ -202,10 +203,13 @@ class Check:
     def remaining(self) -> float:
         return self.deadline_s - (time.perf_counter() - self.started)
 
-    def run(self, name: str, command: list[str], cap: float | None = None) -> Ran:
-        limit = min(self.caps.get(name, cap or 0), self.remaining())
+    def run(self, name: str, command: list[str]) -> Ran:
+        """`command` within what is left of step `name`'s time limit and of the check's."""
+        left_in_step = self.caps[name] - (time.perf_counter() - self.step_started)
+        limit = min(left_in_step, self.remaining())
         if limit <= 1:
-            raise StepFailed(f"no time left of the check's {self.deadline_s:.0f} s")
+            raise StepFailed(f"no time left: {left_in_step:.0f} s of the step's {self.caps[name]:.0f}, "
+                             f"{self.remaining():.0f} s of the check's {self.deadline_s:.0f}")
         return run_logged(command, self.log, limit, env=self.env)
 
     def grpokit(self, *args: str) -> list[str]:
@@ -362,8 +366,7 @@ class Check:
             raise StepSkipped(f"import vllm failed ({probe.why()})")
         ran = self.run("vllm", [self.python, str(REPO / "benchmarks" / "rollout_engines.py"), "--sizes",
                                 self.profile.policy_size,
-                                "--device", self.device, "--dtype", "bfloat16", "--kv-cache-gb", "4", "--threads", "4"],
-                       cap=VLLM_CAP)
+                                "--device", self.device, "--dtype", "bfloat16", "--kv-cache-gb", "4", "--threads", "4"])
         if not ran.ok:
             raise StepFailed(ran.why())
         table = [line for line in ran.tail.splitlines() if line.startswith("| Qwen2")]
@@ -378,7 +381,7 @@ def run_check(check: Check, steps: list[str]) -> dict:
                "policy": check.step_policy, "grpo_lora": lambda: check.step_grpo("grpo_lora", lora=True),
                "grpo_full": lambda: check.step_grpo("grpo_full", lora=False), "vllm": check.step_vllm}
     for name in steps:
-        start = time.perf_counter()
+        start = check.step_started = time.perf_counter()
         with open(check.log, "a") as log:
             log.write(f"\n===== {name} (at {time.perf_counter() - check.started:.0f} s)\n")
             section = log.tell()
