@@ -60,6 +60,7 @@ class Profile:
     demo_overrides: list[str]
     min_gain_points: float | None  # None: the dry run's demo only has to finish
     movement_steps: int
+    movement_extra: list[str]  # grpokit train overrides for benchmarks/bf16_movement.py's runs
     gate_movement: bool  # the ratio must lie within 0.9..1.1 (the tiny run only has to finish)
     policy_size: str  # a size of benchmarks/rollout_engines.py
     prompts: int
@@ -70,17 +71,19 @@ class Profile:
 
 
 PROFILES = {
-    "full": Profile(demo_overrides=[], min_gain_points=MIN_GAIN_POINTS, movement_steps=12, gate_movement=True,
-                    policy_size="0.5b", prompts=4, generations=4, completion_length=1024, lora_steps=4, full_steps=2),
+    "full": Profile(demo_overrides=[], min_gain_points=MIN_GAIN_POINTS, movement_steps=12, movement_extra=[],
+                    gate_movement=True, policy_size="0.5b", prompts=4, generations=4, completion_length=1024,
+                    lora_steps=4, full_steps=2),
     "tiny": Profile(
-        demo_overrides=["--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
-                        "--model.tiny.num_layers=1", "--sft.max_steps=10", "--sft.batch_size=8",
-                        "--task.num_sft_examples=100",
+        demo_overrides=["--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128", "--model.tiny.num_layers=1",
+                        "--sft.max_steps=10", "--sft.batch_size=8", "--task.num_sft_examples=100",
                         "--task.num_sft_tir_examples=0", "--task.num_eval_questions=16", "--eval.k=2",
                         "--eval.tir=false", "--grpo.max_steps=3", "--grpo.prompts_per_step=4",
                         "--grpo.num_generations=4"],
-        min_gain_points=None, movement_steps=2, gate_movement=False, policy_size="tiny", prompts=2, generations=2,
-        completion_length=16, lora_steps=3, full_steps=2),
+        min_gain_points=None, movement_steps=2, movement_extra=["--grpo.prompts_per_step=4", "--grpo.num_generations=2", "--grpo.max_completion_length=16",
+                        "--eval.k=2"],
+        gate_movement=False, policy_size="tiny", prompts=2, generations=2, completion_length=16, lora_steps=3,
+        full_steps=2),
 }
 
 
@@ -134,8 +137,11 @@ class Ran:
     def why(self) -> str:
         if self.returncode is None:
             return f"timed out after {self.seconds:.0f} s"
-        last = [line for line in self.tail.splitlines() if line.strip()]
-        return f"exit {self.returncode}: {last[-1].strip()[:300] if last else 'no output'}"
+        lines = [line.strip() for line in self.tail.splitlines() if line.strip()]
+        # grpokit's own one-line error says more than the traceback of a script that ran it
+        errors = [line for line in lines if line.startswith("grpokit: ") and "error" in line]
+        last = errors[-1] if errors else lines[-1] if lines else "no output"
+        return f"exit {self.returncode}: {last[:300]}"
 
 
 def run_logged(command: list[str], log_path: Path, timeout: float, env: dict | None = None, cwd: Path = REPO) -> Ran:
@@ -284,13 +290,17 @@ class Check:
             raise StepSkipped("benchmarks/bf16_movement.py is not in this tree")
         out = self.work / "movement"
         sft = self.work / "demo" / "checkpoints" / "sft"
+        # fp32 and bf16 compute over fp32 masters: the two the check compares (not bf16 weights alone)
         command = [self.python, str(script), "--device", self.device, "--steps", str(self.profile.movement_steps),
-                   "--lr", "2e-6", "--out", str(out)]
+                   "--lr", "2e-6", "--out", str(out), "--variants", "fp32", "bf16"]
         if (sft / "config.json").is_file():  # the demo's pi_SFT: no second SFT
             command += ["--sft-dir", str(sft)]
-        ran = self.run("movement", command)
+        if self.profile.movement_extra:
+            command += ["--extra", *self.profile.movement_extra]  # last: it takes the rest
         result = out / "movement.json"
-        if not ran.ok or not result.is_file():
+        result.unlink(missing_ok=True)
+        ran = self.run("movement", command)
+        if not result.is_file():  # it exits 1 when the ratio is off, movement.json written: judged below
             raise StepFailed(ran.why() if not ran.ok else "no movement.json")
         m = json.loads(result.read_text())
         line = (f"mean |dW| fp32 {m['fp32_mean_abs_dw']:.3e}, bf16 {m['bf16_mean_abs_dw']:.3e}, "
@@ -529,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args.device == "cpu":  # tiny models: one thread each is faster, and far faster on a busy machine
+        env.setdefault("OMP_NUM_THREADS", "1")
     check = Check(device=args.device, profile=PROFILES[args.profile or ("full" if args.device == "cuda" else "tiny")],
                   out=out, work=work, python=sys.executable, wheels=args.wheels, started=started,
                   deadline_s=args.deadline, peak_flops=peak, caps=caps, env=env)

@@ -49,10 +49,14 @@ def _alive(pid: int) -> bool:
 def test_a_step_past_its_time_limit_is_stopped_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     start = time.perf_counter()
-    ran = gpu_check.run_logged(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], tmp_path / "log", timeout=1.0)
+    ran = gpu_check.run_logged(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], tmp_path / "log", timeout=3.0)
     assert ran.returncode is None and "timed out" in ran.why()
-    assert time.perf_counter() - start < 15
-    assert not _alive(int(pid_file.read_text()))  # the grandchild too (torchrun's workers)
+    assert time.perf_counter() - start < 20
+    child = int(pid_file.read_text())
+    deadline = time.perf_counter() + 10  # the signal is sent; a busy machine may take a moment to end it
+    while _alive(child) and time.perf_counter() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)  # the grandchild too (torchrun's workers)
 
 
 def test_grpo_numbers_leave_out_the_first_step_and_count_prompt_and_completion_tokens():
