@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -175,6 +176,15 @@ def run_logged(command: list[str], log_path: Path, timeout: float, env: dict | N
     return Ran(returncode, seconds, tail)
 
 
+def fresh(*paths: Path) -> None:
+    """Remove what an earlier check left at `paths` (folders or files)."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 class StepFailed(Exception):
     """A step's check did not hold; the message is its FAIL line."""
 
@@ -267,6 +277,7 @@ class Check:
 
     def step_demo(self) -> tuple[str, dict]:
         run_dir = self.work / "demo"
+        fresh(run_dir)
         ran = self.run("demo", self.grpokit("demo", f"--model.device={self.device}", *self.precision(), "--seed", "0",
                                             "--quiet", "--output-dir", str(run_dir), *self.profile.demo_overrides))
         summary_path = run_dir / "summary.json"
@@ -298,7 +309,7 @@ class Check:
         if self.profile.movement_extra:
             command += ["--extra", *self.profile.movement_extra]  # last: it takes the rest
         result = out / "movement.json"
-        result.unlink(missing_ok=True)
+        fresh(out)
         ran = self.run("movement", command)
         if not result.is_file():  # it exits 1 when the ratio is off, movement.json written: judged below
             raise StepFailed(ran.why() if not ran.ok else "no movement.json")
@@ -330,6 +341,7 @@ class Check:
         p, prof = json.loads(info.read_text()), self.profile
         steps = prof.lora_steps if lora else prof.full_steps
         run_dir, peak_json = self.work / name, self.work / f"{name}-peak.json"
+        fresh(run_dir, peak_json)  # a reused --work must not lend this run an earlier one's numbers
         train = ["train", f"--model.name_or_path={policy}", *self.precision(), "--distributed.fsdp=on",
                  "--model.gradient_checkpointing=true",
                  f"--data.sources=[{{path: {str(policy / 'prompts.jsonl')!r}, format: plain}}]",
@@ -343,30 +355,39 @@ class Check:
         ran = self.run(name, [self.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                               __file__, "probe", "--peak-json", str(peak_json), "--", *train])
         metrics = run_dir / "metrics.jsonl"
-        if not ran.ok:
-            raise StepFailed(ran.why())
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+            if metrics.is_file() else []
+        if not ran.ok:  # the steps it finished still give numbers (the probe writes its peak as it goes)
+            if len(rows) < 2 or not peak_json.is_file():
+                raise StepFailed(f"{ran.why()}; {len(rows)} of {steps} steps done")
+            line, numbers = self._grpo_numbers(rows, json.loads(peak_json.read_text()), p, lora)
+            raise StepFailed(f"{ran.why()}; {len(rows)} of {steps} steps done: {line}", numbers)
         if len(rows) != steps:
             raise StepFailed(f"{len(rows)} steps in metrics.jsonl, expected {steps}")
-        peak = json.loads(peak_json.read_text())
-        numbers = {**grpo_numbers(rows, prof.prompts * prof.generations, p["prompt_tokens"], p["params"],
-                                  self.peak_flops),
-                   "peak_allocated_gib": peak["peak_bytes"] / 2**30, "peak_reserved_gib": peak.get("reserved_bytes", 0) / 2**30,
-                   "peak_measure": peak["measure"], "lora": lora, "params": p["params"],
-                   "samples_per_step": prof.prompts * prof.generations, "completion_length": prof.completion_length}
+        line, numbers = self._grpo_numbers(rows, json.loads(peak_json.read_text()), p, lora)
         checkpoint = run_dir / "checkpoints" / f"step-{steps}"
         saved = (checkpoint / "adapter_model.safetensors").is_file() if lora else checkpoint.is_dir()
-        mfu_text = f"MFU {numbers['mfu']:.1%}" if numbers["mfu"] is not None else "MFU n/a (no peak FLOP/s on this device)"
-        line = (f"{'LoRA r=16' if lora else 'full fine-tune'}, {numbers['samples_per_step']} x "
-                f"{numbers['completion_mean_length']:.0f} tokens: step {numbers['step_s']:.2f} s (rollout "
-                f"{numbers['rollout_s']:.2f}, log-probs {numbers['logprob_s']:.2f}, update {numbers['update_s']:.2f}; "
-                f"median of {numbers['timed_steps']}), peak {numbers['peak_allocated_gib']:.2f} GiB "
-                f"({peak['measure']}), update {numbers['update_model_tflops']:.2f} TFLOP/s, {mfu_text}")
         if numbers["skipped_updates"]:
             raise StepFailed(f"{numbers['skipped_updates']} updates skipped (non-finite loss or gradient); " + line,
                              numbers)
         if not saved:
             raise StepFailed(f"no checkpoint at {checkpoint}; " + line, numbers)
+        return line, numbers
+
+    def _grpo_numbers(self, rows: list[dict], peak: dict, policy: dict, lora: bool) -> tuple[str, dict]:
+        prof = self.profile
+        samples = prof.prompts * prof.generations
+        numbers = {**grpo_numbers(rows, samples, policy["prompt_tokens"], policy["params"], self.peak_flops),
+                   "peak_allocated_gib": peak["peak_bytes"] / 2**30,
+                   "peak_reserved_gib": peak.get("reserved_bytes", 0) / 2**30, "peak_measure": peak["measure"],
+                   "lora": lora, "params": policy["params"], "samples_per_step": samples,
+                   "completion_length": prof.completion_length}
+        mfu_text = f"MFU {numbers['mfu']:.1%}" if numbers["mfu"] is not None else "MFU n/a (no peak FLOP/s given)"
+        line = (f"{'LoRA r=16' if lora else 'full fine-tune'}, {samples} x "
+                f"{numbers['completion_mean_length']:.0f} tokens: step {numbers['step_s']:.2f} s (rollout "
+                f"{numbers['rollout_s']:.2f}, log-probs {numbers['logprob_s']:.2f}, update {numbers['update_s']:.2f}; "
+                f"median of {numbers['timed_steps']}), peak {numbers['peak_allocated_gib']:.2f} GiB "
+                f"({peak['measure']}), update {numbers['update_model_tflops']:.2f} TFLOP/s, {mfu_text}")
         return line, numbers
 
     def step_vllm(self) -> tuple[str, dict]:
@@ -466,21 +487,44 @@ def save_policy(size: str, directory: Path, num_prompts: int, device: str) -> No
 
 def probe(peak_json: Path, cli_args: list[str]) -> int:
     """`grpokit <cli_args>` in this process, then its peak memory to peak_json: CUDA
-    max_memory_allocated (and reserved) over the whole run, or the CPU's peak resident size."""
+    max_memory_allocated (and reserved) over the whole run, or the CPU's peak resident size.
+    Written every 2 s as the run goes too, so a run stopped at its time limit leaves one."""
+    import threading
+
     import torch
 
     from grpokit.bench.memory_probe import peak_bytes
     from grpokit.cli import main
 
-    code = main(cli_args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-            out = {"peak_bytes": peak_bytes(device), "reserved_bytes": torch.cuda.max_memory_reserved(device),
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+
+    def write(final: bool) -> None:
+        if cuda:  # allocator statistics are host-side: no synchronisation while the run goes on
+            out = {"peak_bytes": peak_bytes(device) if final else torch.cuda.max_memory_allocated(device),
+                   "reserved_bytes": torch.cuda.max_memory_reserved(device),
                    "measure": "torch.cuda.max_memory_allocated"}
         else:
-            out = {"peak_bytes": peak_bytes(torch.device("cpu")), "measure": "peak resident set size"}
-        peak_json.write_text(json.dumps(out) + "\n")
+            out = {"peak_bytes": peak_bytes(device), "measure": "peak resident set size"}
+        partial = peak_json.with_suffix(".partial")
+        partial.write_text(json.dumps({**out, "final": final}) + "\n")
+        os.replace(partial, peak_json)
+
+    def keep_writing(stop: threading.Event) -> None:
+        while not stop.wait(2.0):
+            if not cuda or torch.cuda.is_initialized():  # never the one to initialise CUDA
+                write(final=False)
+
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    stop = threading.Event()
+    writer = threading.Thread(target=keep_writing, args=(stop,), daemon=True)
+    if main_process:
+        writer.start()
+    code = main(cli_args)
+    stop.set()
+    if main_process:
+        writer.join()  # its last write must not land after the final one
+        write(final=True)
     return code
 
 
@@ -503,9 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--peak-json", type=Path, required=True)
         return probe(p.parse_args(argv[1:cut]).peak_json, argv[cut + 1 :])
 
-    parser = argparse.ArgumentParser(description="grpokit's GPU check: " + __doc__.split("\n\n")[0].split("(")[0],
+    parser = argparse.ArgumentParser(description="grpokit's GPU check: the demo, bf16 weight movement and GRPO on a "
+                                     "Qwen2-0.5B-shaped policy, each step within its own time limit",
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda (default), or cpu for the tiny dry run")
     parser.add_argument("--out", type=Path, help="summary.json and gpu_check.log (default: a new /tmp folder)")
     parser.add_argument("--wheels", type=Path, help="folder of .whl files (make gpu-wheels) installed before the steps")
     parser.add_argument("--work", type=Path, help="models, runs and installed wheels (default: a new /tmp folder)")
