@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test test-slow test-all test-vllm test-vllm-slow clean
+.PHONY: demo test test-slow test-all test-vllm test-vllm-slow gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,22 @@ test-vllm: $(VLLM_STAMP)
 # The full demo with rollout.engine=vllm (+15 points at seed 0); about 5 minutes on 2 CPU cores.
 test-vllm-slow: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and slow"
+
+# Wheels of grpokit's dependencies that the GPU machine lacks (pydantic, math-verify and theirs),
+# for its Python 3.12 on manylinux x86-64, in .whl/ (git ignores it): carried there and installed
+# by `bash benchmarks/gpu_check.sh --wheels .whl` (see its header). Versions: this venv's.
+GPU_WHEELS   ?= .whl
+GPU_PACKAGES := pydantic pydantic_core annotated_types typing_inspection typing_extensions \
+                math_verify latex2sympy2_extended antlr4_python3_runtime
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    --platform any -d $(GPU_WHEELS) \
+	    $$($(PY) -c "import sys; from importlib.metadata import version; \
+	        print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" $(GPU_PACKAGES))
+	@ls $(GPU_WHEELS); du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

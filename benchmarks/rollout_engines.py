@@ -36,6 +36,7 @@ import time
 # name -> (hidden, layers, heads, kv heads, intermediate, vocabulary); "char" is the printable-ASCII
 # character vocabulary, an int a character vocabulary of that many tokens (Qwen2-0.5B's size).
 SIZES = {
+    "tiny": (64, 2, 4, 2, 128, "char"),  # the CPU dry run of benchmarks/gpu_check.sh
     "1m": (128, 4, 4, 2, 512, "char"),
     "8m": (256, 8, 8, 4, 1024, "char"),
     "113m": (768, 12, 12, 12, 3072, "char"),
@@ -56,8 +57,10 @@ def build_tokenizer(vocabulary):
     return build_char_tokenizer(alphabet)
 
 
-def build_policy(size: str, seed: int = 0):
-    """A random-init Qwen2 policy of `size` whose completions run to max_new_tokens."""
+def build_policy(size: str, seed: int = 0, tied: bool = False):
+    """A random-init Qwen2 policy of `size` whose completions run to max_new_tokens. `tied`
+    shares the output head with the input embeddings, as Qwen2-0.5B does (the EOS row, zero,
+    is then EOS's input embedding too)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -66,7 +69,7 @@ def build_policy(size: str, seed: int = 0):
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=2048,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(seed)
