@@ -42,6 +42,7 @@ def test_bench_cost_measures_both_algorithms(tmp_path):
     assert data["ratios"]["peak_mem"] == pytest.approx(data["grpo"]["peak_mem_bytes"] / data["ppo"]["peak_mem_bytes"])
 
 
+@pytest.mark.slow  # four fresh processes: about a minute on 2 CPU cores
 def test_bench_memory_measures_long_steps_at_a_batch_and_twice_it(tmp_path):
     """The --table lengths plumbing, on a model small enough for seconds (the real one: BENCHMARKS.md)."""
     path = tmp_path / "lengths.json"
