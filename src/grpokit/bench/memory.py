@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     measured.add_argument("--max-completion-length", type=int, default=32)
     measured.add_argument("--table", choices=["all", "setups", "lengths"], default="all",
                           help="setups: full vs LoRA, 1 vs 2 processes; lengths: a GRPO and an SFT step at long "
-                               "completions, batch B vs 2B (a ~110M Llama, 32k vocabulary; about 7 minutes on "
-                               "one CPU thread)")
+                               "completions, batch B vs 2B (a ~110M Llama, 32k vocabulary; about 20 minutes on "
+                               "one CPU thread of a busy 2-core machine)")
     lengths = parser.add_argument_group("--table lengths")
     lengths.add_argument("--completion-length", type=int, default=1024)
     lengths.add_argument("--prompt-length", type=int, default=64)

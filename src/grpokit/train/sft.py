@@ -146,7 +146,7 @@ def row_widths(labels: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False):
-    """(inputs, labels) of each micro-batch of `batch`'s rows, on the CPU: rows in order of width, at
+    """(rows, inputs, labels) of each micro-batch of `batch`'s rows, on the CPU: rows in order of width, at
     most `max_tokens` tokens (rows x the widest) each, cut to the widest; every row exactly once."""
     labels = batch["labels"]
     widths = row_widths(labels)
