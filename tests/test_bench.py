@@ -40,3 +40,18 @@ def test_bench_cost_measures_both_algorithms(tmp_path):
         assert data[algo]["peak_mem_bytes"] > 0 and data[algo]["step_seconds"] > 0
         assert set(data[algo]["stage_seconds"]) == {"generation", "scoring", "ref/old log-probs", "update"}
     assert data["ratios"]["peak_mem"] == pytest.approx(data["grpo"]["peak_mem_bytes"] / data["ppo"]["peak_mem_bytes"])
+
+
+@pytest.mark.slow  # four fresh processes: about a minute on 2 CPU cores
+def test_bench_memory_measures_long_steps_at_a_batch_and_twice_it(tmp_path):
+    """The --table lengths plumbing, on a model small enough for seconds (the real one: BENCHMARKS.md)."""
+    path = tmp_path / "lengths.json"
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "bench", "memory", "--measure", "--table", "lengths",
+                           "--hidden-size=32", "--num-layers=1", "--num-heads=2", "--length-intermediate-size=64",
+                           "--vocab-size=500", "--completion-length=48", "--prompt-length=8", "--max-tokens=120",
+                           f"--json={path}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| GRPO | prompts_per_step=2 | 8 x 56 |" in proc.stdout and "| SFT | batch_size=4 | 4 x 56 |" in proc.stdout
+    rows = json.loads(path.read_text())
+    assert [(r["workload"], r["batch"]) for r in rows] == [("grpo", 1), ("grpo", 2), ("sft", 2), ("sft", 4)]
+    assert all(r["peak_bytes"] > 0 and r["max_tokens"] == 120 for r in rows)

@@ -129,6 +129,15 @@ def all_reduce_sum(value):
     return type(value)(out.item()) if isinstance(value, int) and not isinstance(value, bool) else out.item()
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest of an integer over all processes; the value itself in one process."""
+    if not is_initialized():
+        return int(value)
+    out = torch.tensor(int(value), dtype=torch.int64, device=device())
+    _collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX), "all_reduce(max)")
+    return int(out.item())
+
+
 def all_agree(flag: bool) -> bool:
     """True when `flag` holds on every process (a logical AND over processes)."""
     if not is_initialized():

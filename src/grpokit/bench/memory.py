@@ -1,5 +1,6 @@
-"""Memory of an RL run: analytic model-state memory of GRPO vs PPO, or, with --measure, the
-peak memory per process of real GRPO steps, full fine-tune vs LoRA, on 1 vs 2 processes.
+"""Memory of an RL run: analytic model-state memory of GRPO vs PPO, or, with --measure, measured peaks:
+per process of real GRPO steps, full fine-tune vs LoRA, on 1 vs 2 processes (--table setups), and of
+a GRPO step and an SFT step at 1,024-token completions, at a batch and at twice it (--table lengths).
 
 Analytic: model states under bf16 mixed precision with Adam, per model of an RL run.
 
@@ -111,6 +112,54 @@ def format_measured(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_probe(arguments: list[str], timeout_s: float = 1800) -> dict:
+    """One long-sequence measurement (memory_probe --workload grpo|sft) in a fresh process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "grpokit.bench.memory_probe", "--out", out, *arguments]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory probe {' '.join(command)} failed:\n{done.stderr[-3000:]}")
+        return json.loads((Path(out) / "rank0.json").read_text())
+
+
+def measure_lengths(model_args: list[str], grpo_batch: int, sft_batch: int, max_tokens: int) -> list[dict]:
+    """Peak memory of a GRPO step at prompts_per_step B and 2B and of an SFT step at batch_size B and 2B,
+    each in a fresh process, all under the token budget `max_tokens`."""
+    rows = []
+    for workload, batch in (("grpo", grpo_batch), ("sft", sft_batch)):
+        for b in (batch, 2 * batch):
+            record = run_probe([*model_args, "--workload", workload, "--batch", str(b), "--max-tokens", str(max_tokens)])
+            rows.append({**record, "max_tokens": max_tokens})
+    return rows
+
+
+def format_lengths(rows: list[dict], completion_length: int, prompt_length: int, num_generations: int) -> str:
+    lines = [f"peak memory of one step at {completion_length}-token completions, {rows[0]['params'] / 1e6:.1f}M "
+             f"parameters on {rows[0]['device']}, max_tokens_per_micro_batch={rows[0]['max_tokens']}",
+             "| step | batch | rows x tokens | peak | vs batch | seconds |", "|---|---|---|---|---|---|"]
+    first: dict[str, int] = {}
+    for r in rows:
+        base = first.setdefault(r["workload"], r["peak_bytes"])
+        name = "prompts_per_step" if r["workload"] == "grpo" else "batch_size"
+        n = r["batch"] * (num_generations if r["workload"] == "grpo" else 1)
+        change = "-" if r["peak_bytes"] == base else f"{100 * (r['peak_bytes'] / base - 1):+.1f}%"
+        lines.append(f"| {r['workload'].upper()} | {name}={r['batch']} | {n} x {prompt_length + completion_length} | "
+                     f"{r['peak_bytes'] / 2**20:,.0f} MiB | {change} | {r['seconds']:.0f} |")
+    lines.append("\nPeak over one step after the model (and, for GRPO, its frozen reference) is built: CUDA "
+                 "max_memory_allocated, or the CPU's peak resident set less the process's size before any model. "
+                 "GRPO completions are random tokens of the full length (generation is not measured); SFT "
+                 "examples are random tokens of the same length.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -134,16 +183,43 @@ def main(argv: list[str] | None = None) -> int:
     measured.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     measured.add_argument("--steps", type=int, default=2, help="GRPO steps measured")
     measured.add_argument("--max-completion-length", type=int, default=32)
+    measured.add_argument("--table", choices=["all", "setups", "lengths"], default="all",
+                          help="setups: full vs LoRA, 1 vs 2 processes; lengths: a GRPO and an SFT step at long "
+                               "completions, batch B vs 2B (a ~110M Llama, 32k vocabulary; about 20 minutes on "
+                               "one CPU thread of a busy 2-core machine)")
+    lengths = parser.add_argument_group("--table lengths")
+    lengths.add_argument("--completion-length", type=int, default=1024)
+    lengths.add_argument("--prompt-length", type=int, default=64)
+    lengths.add_argument("--vocab-size", type=int, default=32000)
+    lengths.add_argument("--length-intermediate-size", type=int, default=2048,
+                         help="MLP width of the long-sequence model (with 768 x 12 layers: ~110M parameters)")
+    lengths.add_argument("--grpo-batch", type=int, default=1, help="prompts_per_step B (4 completions each)")
+    lengths.add_argument("--sft-batch", type=int, default=2, help="sft.batch_size B")
+    lengths.add_argument("--max-tokens", type=int, default=2304,
+                         help="max_tokens_per_micro_batch of both (default: two rows of 1,088 tokens)")
+    lengths.add_argument("--no-gradient-checkpointing", action="store_true")
     args = parser.parse_args(argv)
     if args.measure:
-        model_args = ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers), "--num-heads",
-                      str(args.num_heads), "--intermediate-size", str(args.intermediate_size), "--steps",
-                      str(args.steps), "--max-completion-length", str(args.max_completion_length)]
-        rows = measure(model_args, args.lora_r, args.processes)
-        print(format_measured(rows))
+        out: dict = {}
+        if args.table in ("all", "setups"):
+            model_args = ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers), "--num-heads",
+                          str(args.num_heads), "--intermediate-size", str(args.intermediate_size), "--steps",
+                          str(args.steps), "--max-completion-length", str(args.max_completion_length)]
+            out["setups"] = measure(model_args, args.lora_r, args.processes)
+            print(format_measured(out["setups"]))
+        if args.table in ("all", "lengths"):
+            model_args = ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers), "--num-heads",
+                          str(args.num_heads), "--intermediate-size", str(args.length_intermediate_size),
+                          "--vocab-size", str(args.vocab_size), "--prompt-length", str(args.prompt_length),
+                          "--completion-length", str(args.completion_length), "--num-generations", "4", "--steps", "1"]
+            if not args.no_gradient_checkpointing:
+                model_args.append("--gradient-checkpointing")
+            out["lengths"] = measure_lengths(model_args, args.grpo_batch, args.sft_batch, args.max_tokens)
+            print(("\n" if "setups" in out else "") + format_lengths(out["lengths"], args.completion_length,
+                                                                     args.prompt_length, 4))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+                json.dump(out if len(out) > 1 else next(iter(out.values())), f, indent=2)
         return 0
     print(format_table(args.params, args.reward_model_params))
     if args.json:

@@ -1,5 +1,11 @@
-"""One measurement of `grpokit bench memory --measure`: a few GRPO steps on a Llama of the given
-size, in this process (or in each process under torchrun), and the peak memory of those steps.
+"""One measurement of `grpokit bench memory --measure`: a few steps on a Llama of the given size, in
+this process (or in each process under torchrun), and the peak memory of those steps.
+
+Workloads: `setups` (default), GRPO steps with real sampling (full or LoRA, one or more processes);
+`grpo` and `sft`, long-sequence steps that measure training memory at a fixed length: GRPO on
+completions of exactly --completion-length random tokens (RandomTokens stands in for sampling, whose
+own memory grpo.generation_batch_size bounds), or SFT on examples of that many random tokens, with a
+vocabulary of --vocab-size and the token budget --max-tokens.
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated over the steps; on the CPU, the peak
 resident set size (VmHWM) over the steps, after resetting it once the models are built and
@@ -9,6 +15,7 @@ libraries: the same in every setup). Each process writes {"rank", "world_size",
 "peak_bytes", "baseline_bytes", ...} to OUT/rank{r}.json.
 
     python -m grpokit.bench.memory_probe --out DIR [--lora-r 16] [--hidden-size 768 ...]
+    python -m grpokit.bench.memory_probe --out DIR --workload sft --batch 4 --completion-length 1024
     torchrun --nproc_per_node=2 -m grpokit.bench.memory_probe --out DIR ...
 """
 
@@ -59,6 +66,98 @@ def resident_bytes(device: torch.device) -> int:
     return 0
 
 
+class RandomTokens:
+    """A rollout engine that samples nothing: each completion is random token ids, `completion_length`
+    of them, or a length drawn per row from [min_length, completion_length], after `prompt_length`
+    random prompt tokens. For measuring (and testing) the training step at chosen lengths without
+    paying for generation. Ids avoid the tokenizer's pad and EOS tokens."""
+
+    copies_weights = False
+
+    def __init__(self, tokenizer, vocab_size: int, prompt_length: int, completion_length: int,
+                 min_length: int | None = None, seed: int = 0):
+        self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.vocab_size, self.prompt_length, self.completion_length = vocab_size, prompt_length, completion_length
+        self.min_length = completion_length if min_length is None else min_length
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def generate(self, prompts, num_generations, params, rows=None, seeds=None):
+        from grpokit.types import Rollout
+
+        n, p, t = len(prompts) * num_generations, self.prompt_length, self.completion_length
+        low = max(self.pad, self.eos) + 1
+        ids = torch.randint(low, self.vocab_size, (n, p + t), generator=self.generator)
+        lengths = torch.randint(self.min_length, t + 1, (n,), generator=self.generator)
+        completion_mask = (torch.arange(t) < lengths.unsqueeze(1)).long()
+        ids[:, p:] = ids[:, p:].masked_fill(completion_mask == 0, self.pad)
+        attention_mask = torch.cat([torch.ones(n, p, dtype=torch.long), completion_mask], dim=1)
+        completions = [" ".join(map(str, ids[i, p : p + int(lengths[i])].tolist())) for i in range(n)]
+        return Rollout(prompts=[q for q in prompts for _ in range(num_generations)], completions=completions,
+                       input_ids=ids, attention_mask=attention_mask, completion_mask=completion_mask,
+                       truncated=lengths == t, prompt_length=p, group_size=num_generations,
+                       rows=[r for r in (rows or []) for _ in range(num_generations)])
+
+    def sync_weights(self, model, state_dict=None) -> None:
+        pass
+
+
+def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                max_positions: int, seed: int = 0):
+    """A randomly initialised Llama of this shape (offline: nothing is downloaded), ids 0 and 1 for pad and EOS."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         intermediate_size=intermediate_size, max_position_embeddings=max_positions,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def long_sequence_step(args, device: torch.device, out: Path) -> tuple[int, int, float]:
+    """(parameters, peak bytes before the baseline is taken off, seconds) of args.steps long-sequence GRPO or
+    SFT steps."""
+    from grpokit.config import GRPOConfig, SFTConfig
+    from grpokit.data import arithmetic
+    from grpokit.models import build_char_tokenizer
+    from grpokit.models.loading import resolve_dtype
+    from grpokit.rewards import WeightedReward
+    from grpokit.train.grpo import GRPOTrainer, frozen_copy
+    from grpokit.train.sft import TokenizedExamples, train_on_examples
+
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)  # pad 0, EOS 1: the ids build_llama uses
+    length = args.prompt_length + args.completion_length
+    model = build_llama(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.intermediate_size,
+                        length, seed=0).to(device=device, dtype=resolve_dtype("auto", device))
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = sum(p.numel() for p in model.parameters())
+    if args.workload == "grpo":
+        config = GRPOConfig(num_generations=args.num_generations, prompts_per_step=args.batch,
+                            max_completion_length=args.completion_length, learning_rate=1e-5, warmup_steps=0,
+                            max_tokens_per_micro_batch=args.max_tokens)
+        engine = RandomTokens(tokenizer, args.vocab_size, args.prompt_length, args.completion_length)
+        trainer = GRPOTrainer(model, tokenizer, [WeightedReward("length", length_reward)],
+                              [{"prompt": f"q{i}"} for i in range(args.batch)], config, out / "run",
+                              ref_model=frozen_copy(model), progress=False, engine=engine)
+        run = lambda: [trainer.step() for _ in range(args.steps)]  # noqa: E731
+    else:
+        generator = torch.Generator().manual_seed(0)
+        examples = [(torch.randint(2, args.vocab_size, (length,), generator=generator).tolist(), args.prompt_length)
+                    for _ in range(2 * args.batch)]
+        data = TokenizedExamples.of(examples)
+        config = SFTConfig(batch_size=args.batch, max_steps=args.steps, warmup_steps=0, learning_rate=1e-5,
+                           max_tokens_per_micro_batch=args.max_tokens)
+        run = lambda: train_on_examples(model, data, tokenizer.pad_token_id, config, progress=False)  # noqa: E731
+    import gc
+
+    gc.collect()
+    reset_peak(device)
+    started = time.perf_counter()
+    run()
+    return params, peak_bytes(device), time.perf_counter() - started
+
+
 def length_reward(prompts, completions, **_):
     """Varies within a group, so every step has a gradient."""
     return [len(c) / 16 for c in completions]
@@ -88,7 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--workload", choices=["setups", "grpo", "sft"], default="setups",
+                        help="setups: GRPO steps with sampling; grpo / sft: long-sequence steps at a fixed length")
+    parser.add_argument("--batch", type=int, default=2, help="grpo / sft: prompts per step or SFT examples per step")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="grpo / sft: the Llama's vocabulary")
+    parser.add_argument("--prompt-length", type=int, default=64, help="grpo / sft: prompt tokens per row")
+    parser.add_argument("--completion-length", type=int, default=1024, help="grpo / sft: completion tokens per row")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="grpo / sft: max_tokens_per_micro_batch")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args(argv)
+    if args.workload != "setups":
+        device = resolve_device(args.device)
+        baseline = resident_bytes(device)
+        out = Path(args.out)
+        params, peak, seconds = long_sequence_step(args, device, out)
+        record = {"rank": 0, "world_size": 1, "params": params, "workload": args.workload, "batch": args.batch,
+                  "device": str(device), "peak_bytes": peak - baseline, "baseline_bytes": baseline,
+                  "seconds": seconds}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rank0.json").write_text(json.dumps(record))
+        return 0
 
     distributed.init()
     device = resolve_device(args.device) if not distributed.is_initialized() or not torch.cuda.is_available() \

@@ -67,16 +67,32 @@ def token_values(
     attention_mask: torch.Tensor,
     prompt_length: int,
     micro_batch_size: int = 32,
+    max_tokens: int | None = None,
+    budget_key: str = "max_tokens",
 ) -> torch.Tensor:
     """V(s_t) for each completion token t: the value of the state just before o_t is chosen,
-    read at the same column as the logit that predicts o_t. [N, P + T] -> [N, T], float32."""
-    from grpokit.rollout.logprobs import position_ids_for
+    read at the same column as the logit that predicts o_t. [N, P + T] -> [N, T], float32.
+
+    Micro-batches as in token_logprobs: rows of similar length, at most `micro_batch_size` of
+    them and `max_tokens` tokens, each cut to its longest row; 0 past a row's last attended token."""
+    from grpokit.micro_batches import split_by_tokens
+    from grpokit.models.sharding import is_sharded
+    from grpokit.rollout.logprobs import attended_ends, position_ids_for
 
     device = next(critic.parameters()).device
+    ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
+    groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=is_sharded(critic))
+    if len(groups) == 1:
+        groups = [torch.arange(input_ids.shape[0])]  # one forward: keep the rows as given
     out = []
-    for start in range(0, input_ids.shape[0], micro_batch_size):
-        ids = input_ids[start : start + micro_batch_size].to(device)
-        mask = attention_mask[start : start + micro_batch_size].to(device)
+    for rows in groups:
+        width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
+        ids = input_ids[rows.to(input_ids.device), :width].to(device)
+        mask = attention_mask[rows.to(attention_mask.device), :width].to(device)
         logits = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask)).logits
-        out.append(logits[:, prompt_length - 1 : -1, 0].float())
-    return torch.cat(out)
+        values = logits[:, prompt_length - 1 : -1, 0].float()
+        out.append(torch.nn.functional.pad(values, (0, input_ids.shape[1] - width)))
+    values = torch.cat(out)
+    if len(groups) > 1:
+        values = values[torch.cat(groups).argsort().to(values.device)]
+    return values

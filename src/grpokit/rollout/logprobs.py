@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from grpokit.micro_batches import split_by_tokens
 from grpokit.models.precision import in_compute_dtype
 
 # transformers model types whose causal-LM forward is exactly `lm_head(decoder(...)[0])`,
@@ -69,6 +70,8 @@ def token_logprobs(
     micro_batch_size: int = 32,
     with_entropy: bool = False,
     chunk_size: int = 1024,
+    max_tokens: int | None = None,
+    budget_key: str = "max_tokens",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of input_ids[:, prompt_length:] given everything before them.
 
@@ -80,7 +83,9 @@ def token_logprobs(
 
     Rows go through the model in micro-batches of similar length (sorted by attended length),
     each cut to its longest row: columns past every row's last attended token change nothing
-    before them (attention is causal), so they are not computed. logp and entropy are 0 wherever
+    before them (attention is causal), so they are not computed. A micro-batch holds at most
+    `micro_batch_size` rows and, with `max_tokens`, at most that many tokens (rows x its width;
+    a longer row is an error naming `budget_key`). logp and entropy are 0 wherever
     attention_mask is 0.
     """
     if input_ids.shape != attention_mask.shape:
@@ -95,17 +100,17 @@ def token_logprobs(
     completion_length = input_ids.shape[1] - prompt_length
     split = backbone_and_head(model)
     tiled_root = _sharded_root_with_plain_head(model) if split is None else None
-    # Length of each row up to its last attended token; rows are taken in order of it.
-    ends = order = None  # meta tensors hold no values to sort or cut by: every column is computed
-    if not attention_mask.is_meta:
-        ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
-        order = ends.argsort(stable=True) if input_ids.shape[0] > micro_batch_size else None
+    # Length of each row up to its last attended token; rows are grouped in order of it.
+    # Meta tensors hold no values to sort or cut by: every column is computed.
+    ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
+    groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=_is_fsdp(model))
+    if len(groups) == 1:
+        groups = [torch.arange(input_ids.shape[0])]  # one forward: keep the rows as given
     logps, entropies = [], []
-    for start in range(0, input_ids.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size) if order is None else order[start : start + micro_batch_size]
-        width = input_ids.shape[1] if ends is None else int(ends[rows].max())
-        ids = input_ids[rows, :width].to(device)
-        mask = attention_mask[rows, :width].to(device)
+    for rows in groups:
+        width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
+        ids = input_ids[rows.to(input_ids.device), :width].to(device)
+        mask = attention_mask[rows.to(attention_mask.device), :width].to(device)
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
         targets = ids[:, prompt_length:]
         if tiled_root is not None:  # sharded: the root's own forward, with its head applied in tiles
@@ -124,10 +129,39 @@ def token_logprobs(
             logp, entropy = _chunked_stats(head, softcap, features, targets, temperature, with_entropy, chunk_size)
         logps.append(logp)
         entropies.append(entropy)
+    order = torch.cat(groups) if len(groups) > 1 else None
     attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
     logp = _restore_rows(logps, order, completion_length).masked_fill(~attended, 0.0)
     entropy = _restore_rows(entropies, order, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
     return logp, entropy
+
+
+@in_compute_dtype
+def labelled_logprobs(model: torch.nn.Module, inputs: dict, labels: torch.Tensor, ignore_index: int = -100,
+                      chunk_size: int = 1024) -> torch.Tensor:
+    """[n] log-probs of every labelled next token, in row-major order: column c predicts
+    labels[:, c + 1] wherever that is not `ignore_index` (SFT's loss is minus their mean).
+
+    `inputs` go to the forward as given (input_ids with an attention_mask, or packed rows with
+    position_ids). Only the labelled positions reach the LM head, in tiles of at most
+    `chunk_size`, as in token_logprobs: no [rows, L, vocab] logits of the whole micro-batch, and
+    no float32 copy of them. Gradients flow when called outside torch.no_grad()."""
+    targets = labels[:, 1:]
+    select = targets != ignore_index
+    flat_targets = targets[select].unsqueeze(0)
+    split = backbone_and_head(model)
+    if split is not None:
+        decoder, head, softcap = split
+        features = decoder(**inputs)[0][:, :-1][select].unsqueeze(0)
+        return _chunked_stats(head, softcap, features, flat_targets, 1.0, False, chunk_size)[0][0]
+    root = _sharded_root_with_plain_head(model)
+    if root is not None:  # sharded: the root's own forward, with its head applied in tiles
+        logp, _ = _tiled_forward(model, root, inputs, flat_targets, 1.0, False, chunk_size,
+                                 select=select, keep=labels.shape[1])
+        return logp[0]
+    # Any other model computes its own logits; only the labelled ones go through the tiles.
+    logits = model(**inputs).logits[:, :-1][select].unsqueeze(0)
+    return _chunked_stats(_identity, None, logits, flat_targets, 1.0, False, chunk_size)[0][0]
 
 
 def attended_ends(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -181,8 +215,9 @@ class _TiledHead(torch.nn.Module):
     features that predict `targets`, returning their log-probs [rows, T] (entropy kept aside)."""
 
     def __init__(self, head: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                 chunk_size: int):
+                 chunk_size: int, select: torch.Tensor | None = None):
         super().__init__()
+        self.select = select  # [rows, L - 1] positions kept (labelled_logprobs), or None for all
         object.__setattr__(self, "head", head)  # not registered: the head stays where FSDP2 placed it
         self.targets, self.temperature = targets, temperature
         self.with_entropy, self.chunk_size = with_entropy, chunk_size
@@ -190,21 +225,24 @@ class _TiledHead(torch.nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         # features: the last T + 1 positions; position c predicts token c + 1
-        logp, self.entropy = _chunked_stats(self.head, None, features[:, :-1], self.targets, self.temperature,
+        features = features[:, :-1] if self.select is None else features[:, :-1][self.select].unsqueeze(0)
+        logp, self.entropy = _chunked_stats(self.head, None, features, self.targets, self.temperature,
                                             self.with_entropy, self.chunk_size)
         return logp
 
 
 def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, targets: torch.Tensor,
-                   temperature: float, with_entropy: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp, entropy) of `targets` through the model's own forward with its head tiled. The root
+                   temperature: float, with_entropy: bool, chunk_size: int, select: torch.Tensor | None = None,
+                   keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy) of `targets` through the model's own forward with its head tiled: the last
+    `keep` positions (default: targets' length + 1), or, with `select`, the selected ones of them. The root
     keeps its gathered parameters from forward through backward (FSDP2 does not reshard the root
     after forward), so each tile's recomputation in backward sees the same head."""
     head = root.get_output_embeddings()
-    tiled = _TiledHead(head, targets, temperature, with_entropy, chunk_size)
+    tiled = _TiledHead(head, targets, temperature, with_entropy, chunk_size, select)
     root.set_output_embeddings(tiled)
     try:
-        logp = model(**inputs, logits_to_keep=targets.shape[1] + 1).logits
+        logp = model(**inputs, logits_to_keep=keep or targets.shape[1] + 1).logits
     finally:
         root.set_output_embeddings(head)
     return logp, tiled.entropy

@@ -18,11 +18,12 @@ from grpokit.models.lora import as_module
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.rollout import token_logprobs
+from grpokit.rollout.logprobs import attended_ends
 from grpokit.train.loop import Algorithm, NonFiniteTraining, RewardFailure, Trainer, frozen_copy, zero_std_fraction
 from grpokit.types import Rollout
 
 __all__ = ["GRPO", "GRPOTrainer", "NonFiniteTraining", "RewardFailure", "frozen_copy", "policy_logprobs",
-           "step_advantages", "zero_std_fraction"]
+           "row_tokens", "step_advantages", "zero_std_fraction"]
 
 
 def policy_logprobs(trainer: Trainer, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
@@ -31,7 +32,8 @@ def policy_logprobs(trainer: Trainer, model: torch.nn.Module, rollout: Rollout) 
     cfg = trainer.config
     with torch.no_grad(), as_module(model) as module:
         logp, _ = token_logprobs(module, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
-                                 cfg.temperature, cfg.micro_batch_size)
+                                 cfg.temperature, cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+                                 budget_key="grpo.max_tokens_per_micro_batch")
     return logp.to(trainer.device)
 
 
@@ -70,11 +72,17 @@ def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tens
     return micro_loss
 
 
+def row_tokens(rollout: Rollout) -> torch.Tensor:
+    """[N] tokens each row's forward computes: its prompt columns and its completion up to the
+    last attended token (token_logprobs cuts a micro-batch to its longest row the same way)."""
+    return attended_ends(rollout.attention_mask).clamp(min=rollout.prompt_length + 1)
+
+
 def update_policy(trainer: Trainer, rollout: Rollout, advantages, loss_mask, ref_logp, old_logp, beta: float) -> dict:
     """mu epochs of clipped policy updates through the shared loop; the step's policy metrics."""
     sums, skipped = trainer.update(trainer.model, trainer.optimizer, trainer.scheduler, loss_mask,
                                    policy_micro_loss(trainer, rollout, advantages, loss_mask, ref_logp, old_logp, beta),
-                                   row_lengths=rollout.completion_mask.sum(1))
+                                   row_lengths=row_tokens(rollout))
     tokens, steps = sums.get("tokens", 0.0), sums.get("optimizer_steps", 0.0)
     out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "policy_loss") if k in sums} \
         if tokens else {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}

@@ -33,6 +33,7 @@ from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, truncate_metrics
+from grpokit.micro_batches import split_by_tokens
 from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
 from grpokit.models.precision import as_frozen
 from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
@@ -329,8 +330,9 @@ class Trainer:
                token_weighted: bool = False, row_lengths: torch.Tensor | None = None) -> tuple[dict, int]:
         """mu epochs of optimizer steps over minibatches of the batch's rows, each accumulated
         over micro-batches: the one update loop, for the policy and for PPO's critic. With
-        `row_lengths`, a minibatch's rows are split into micro-batches in order of length, so
-        each micro-batch's forward, cut to its longest row, computes little padding.
+        `row_lengths` (each row's forward length in tokens), a minibatch's rows are split into
+        micro-batches in order of length under grpo.max_tokens_per_micro_batch, so each
+        micro-batch's forward, cut to its longest row, computes little padding.
 
         micro_loss(rows, epoch, total) -> (loss, sums): the micro-batch's share of the minibatch
         loss, i.e. its sum of terms divided by `total`, the count the whole minibatch averages
@@ -361,9 +363,7 @@ class Trainer:
                     continue  # every sample of this minibatch failed its reward, on every process
                 optimizer.zero_grad(set_to_none=True)
                 finite = True
-                if row_lengths is not None and not row_lengths.is_meta:
-                    minibatch = minibatch[row_lengths.to(minibatch.device)[minibatch].argsort(stable=True)]
-                for micro in minibatch.split(cfg.micro_batch_size):
+                for micro in self.micro_batches(minibatch, row_lengths, lockstep):
                     loss, sums = micro_loss(micro, epoch, total)
                     if not torch.isfinite(loss):
                         finite = False  # one bad micro-batch poisons the minibatch: skip it whole
@@ -386,6 +386,16 @@ class Trainer:
         model.eval()
         # grad norms and steps are already global (the same on every process); the rest adds up
         return {**distributed.sum_dict(totals), **steps}, skipped
+
+    def micro_batches(self, rows: torch.Tensor, row_lengths: torch.Tensor | None, lockstep: bool) -> list:
+        """`rows` cut into micro-batches: at most grpo.micro_batch_size rows each and, given each row's
+        length in tokens, at most grpo.max_tokens_per_micro_batch tokens (rows x the longest), in
+        order of length (micro_batches.split_by_tokens)."""
+        if row_lengths is None:
+            return list(rows.split(self.config.micro_batch_size))
+        groups = split_by_tokens(row_lengths.to(rows.device)[rows], self.config.max_tokens_per_micro_batch,
+                                 self.config.micro_batch_size, "grpo.max_tokens_per_micro_batch", lockstep)
+        return [rows[g.to(rows.device)] for g in groups]
 
     # ------------------------------------------------------------------ stages
 

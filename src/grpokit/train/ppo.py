@@ -23,7 +23,7 @@ from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_stat
                                      local_tensors, shard_model)
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import RewardResult
-from grpokit.train.grpo import policy_logprobs, update_policy
+from grpokit.train.grpo import policy_logprobs, row_tokens, update_policy
 from grpokit.train.loop import Algorithm, Trainer
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
@@ -89,7 +89,9 @@ class PPO(Algorithm):
         """[n, T] critic values V(s_t) of the completion tokens, moved to the policy's device."""
         rows = slice(None) if rows is None else rows
         values = token_values(self.critic, rollout.input_ids[rows], rollout.attention_mask[rows],
-                              rollout.prompt_length, self.config.micro_batch_size)
+                              rollout.prompt_length, self.config.micro_batch_size,
+                              max_tokens=self.config.max_tokens_per_micro_batch,
+                              budget_key="grpo.max_tokens_per_micro_batch")
         return values.to(trainer.device)
 
     def learn(self, trainer: Trainer, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
@@ -113,7 +115,7 @@ class PPO(Algorithm):
         stats = update_policy(trainer, rollout, advantages, loss_mask, None, old_logp, beta=0.0)
         sums, _ = trainer.update(self.critic, self.critic_optimizer, self.critic_scheduler, loss_mask,
                                  self.critic_micro_loss(trainer, rollout, old_values, returns, loss_mask),
-                                 token_weighted=True, row_lengths=rollout.completion_mask.sum(1))
+                                 token_weighted=True, row_lengths=row_tokens(rollout))
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
         stats["value/loss"] = sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0))

@@ -6,6 +6,12 @@ builds that block-diagonal mask from position_ids that restart at 0). The loss i
 the same completion tokens as in right-padded rows, so what is learned is the same, to float
 rounding, while the padding a step computes shrinks (about 45% of a padded batch in the demo).
 
+A step's rows go through the model in micro-batches of at most sft.max_tokens_per_micro_batch
+tokens (rows x the micro-batch's widest row), each back-propagating its summed token loss over
+the whole batch's token count, so gradients accumulate to the one-forward gradient. The loss
+never builds [rows, L, vocab] float32 logits: only labelled positions reach the LM head, in tiles
+(rollout/logprobs.py, labelled_logprobs).
+
 Under torchrun each process takes its own share of every batch (sft.batch_size stays the
 global batch) and divides its summed token loss by the batch's token count over all
 processes, so the summed gradients (FSDP2) are those of the whole batch in one process.
@@ -21,8 +27,9 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit import distributed
-from grpokit.config import SFTConfig
-from grpokit.models.precision import compute_autocast
+from grpokit.config import ConfigError, SFTConfig
+from grpokit.micro_batches import split_by_tokens
+from grpokit.rollout.logprobs import attended_ends, labelled_logprobs
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
 IGNORE = -100  # label of prompt and padding tokens: no loss there
@@ -132,36 +139,103 @@ def padded_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -
                      examples.prompt_lengths[i]) for i in indices], pad_id)
 
 
-@torch.no_grad()
-def packing_matches_padding(model, examples: TokenizedExamples, indices: list[int], pad_id: int,
-                            tolerance: float = 1e-4) -> bool:
-    """Whether `model` gives packed examples the logits it gives them one per row.
+def row_widths(labels: torch.Tensor) -> torch.Tensor:
+    """[rows] columns a row needs: through its last labelled token. Columns after it carry no loss
+    and change nothing before them (attention is causal), so a micro-batch is cut to its widest row."""
+    return attended_ends(labels != IGNORE)
 
-    A model whose attention ignores packed position_ids would let examples see each other;
-    this catches that on a real batch before training relies on it. Only full-precision
-    models can be checked this tightly; lower precisions report False (pad them instead)."""
-    if next(model.parameters()).dtype not in (torch.float32, torch.float64):
-        return False
+
+def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False):
+    """(rows, inputs, labels) of each micro-batch of `batch`'s rows, on the CPU: rows in order of width, at
+    most `max_tokens` tokens (rows x the widest) each, cut to the widest; every row exactly once."""
+    labels = batch["labels"]
+    widths = row_widths(labels)
+    for rows in split_by_tokens(widths, max_tokens, None, "sft.max_tokens_per_micro_batch", lockstep):
+        width = int(widths[rows].max())
+        inputs = {k: v[rows, :width] for k, v in batch.items() if k != "labels"}
+        yield rows, inputs, labels[rows, :width]
+
+
+def accumulate_gradients(model, batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False) -> torch.Tensor:
+    """Backward of the batch's mean next-token loss over its labelled tokens, in micro-batches of at
+    most `max_tokens` tokens: each back-propagates its summed token losses divided by the whole
+    batch's token count (over all processes), so the accumulated gradient is the one-forward
+    gradient whatever the budget. The head's logits exist one tile at a time (labelled_logprobs).
+    Returns the batch's mean loss, detached, the same on every process."""
     device = next(model.parameters()).device
+    count = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum()).to(device)
+    total = torch.zeros((), device=device)
+    for _, inputs, labels in micro_batches(batch, max_tokens, lockstep):
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        logp = labelled_logprobs(model, {**inputs, "use_cache": False}, labels.to(device), IGNORE)
+        loss = -logp.sum() / count
+        loss.backward()
+        total += loss.detach()
+    return distributed.all_reduce_sum(total)
+
+
+# How far packed and padded log-probs may differ: float rounding of the same function computed
+# in other shapes. bf16 keeps about 3 significant digits, so there the two layouts agree to about
+# 0.01 in log-prob, which also lets through the small leaks of a barely trained model: the
+# isolation check below catches those in any dtype.
+PACKING_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.05}
+# Changing one packed example must leave the others' log-probs as they were: their rows compute
+# the same numbers in the same shapes (masked keys weigh exactly 0), so this is tight in any dtype.
+ISOLATION_TOLERANCE = 1e-3
+
+
+@torch.no_grad()
+def target_logprobs(model, batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False) -> torch.Tensor:
+    """[rows, width - 1] float32 log-prob of each labelled next token (0 elsewhere), on the CPU."""
+    device = next(model.parameters()).device
+    labels = batch["labels"]
+    out = torch.zeros(labels.shape[0], labels.shape[1] - 1)
+    for rows, inputs, micro_labels in micro_batches(batch, max_tokens, lockstep):
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        logp = labelled_logprobs(model, {**inputs, "use_cache": False}, micro_labels.to(device), IGNORE)
+        block = torch.zeros(len(rows), micro_labels.shape[1] - 1)
+        block[micro_labels[:, 1:] != IGNORE] = logp.float().cpu()
+        out[rows, : block.shape[1]] = block
+    return out
+
+
+def packing_matches_padding(model, examples: TokenizedExamples, indices: list[int], pad_id: int,
+                            max_tokens: int = 16384, lockstep: bool = False) -> bool:
+    """Whether `model` keeps packed examples apart, checked on a real batch before training relies on it.
+
+    Two checks, in the model's own dtype: (1) packed examples get the log-probs they get one per
+    row, within PACKING_TOLERANCE of that dtype; (2) reversing the first example of every packed
+    row leaves every other example's log-probs unchanged (ISOLATION_TOLERANCE). A model whose
+    attention ignores packed position_ids lets examples see each other: (2) catches that even
+    where the leak is smaller than bf16's rounding in (1)."""
+    dtype = next(model.parameters()).dtype
+    tolerance = PACKING_TOLERANCE.get(dtype, 0.1)
+    lengths = [examples.lengths[i] for i in indices]
+    layout = pack_rows(lengths)
     was_training = model.training
-    model.eval()  # no dropout, so both forwards compute the same function
+    model.eval()  # no dropout, so every forward computes the same function
     try:
-        padded = padded_batch(examples, indices, pad_id)
-        packed = packed_batch(examples, indices, pad_id)
-        lengths = [examples.lengths[i] for i in indices]
-        padded_logits = model(input_ids=padded["input_ids"].to(device),
-                              attention_mask=padded["attention_mask"].to(device), use_cache=False).logits
-        packed_logits = model(input_ids=packed["input_ids"].to(device),
-                              position_ids=packed["position_ids"].to(device), use_cache=False).logits
-        for r, row in enumerate(pack_rows(lengths)):
+        packed_inputs = packed_batch(examples, indices, pad_id)
+        padded = target_logprobs(model, padded_batch(examples, indices, pad_id), max_tokens, lockstep)
+        packed = target_logprobs(model, packed_inputs, max_tokens, lockstep)
+        for r, row in enumerate(layout):
             offset = 0
             for j in row:
-                n = lengths[j]
-                if not torch.allclose(packed_logits[r, offset : offset + n], padded_logits[j, :n],
+                n = lengths[j]  # positions offset .. offset + n - 2 predict the example's tokens 1 .. n - 1
+                if not torch.allclose(packed[r, offset : offset + n - 1], padded[j, : n - 1],
                                       rtol=tolerance, atol=tolerance):
                     return False
                 offset += n
-        return True
+        shared = [r for r, row in enumerate(layout) if len(row) > 1]
+        if not shared:
+            return True
+        altered = {k: v.clone() for k, v in packed_inputs.items()}
+        for r in shared:
+            n = lengths[layout[r][0]]
+            altered["input_ids"][r, :n] = altered["input_ids"][r, :n].flip(0)
+        changed = target_logprobs(model, altered, max_tokens, lockstep)
+        return all(torch.allclose(changed[r, lengths[layout[r][0]] :], packed[r, lengths[layout[r][0]] :],
+                                  rtol=0, atol=ISOLATION_TOLERANCE) for r in shared)
     finally:
         model.train(was_training)
 
@@ -169,13 +243,23 @@ def packing_matches_padding(model, examples: TokenizedExamples, indices: list[in
 def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConfig, seed: int = 0,
               progress: bool = True) -> list[float]:
     """Train `model` in place on (prompt, completion) pairs; returns the loss of every step."""
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, examples))
+    return train_on_examples(model, data, tokenizer.pad_token_id, config, seed, progress)
+
+
+def train_on_examples(model, data: TokenizedExamples, pad_id: int, config: SFTConfig, seed: int = 0,
+                      progress: bool = True) -> list[float]:
+    """sft_train on tokenized examples; returns the loss of every step."""
     world, rank = distributed.world_size(), distributed.rank()
     if config.batch_size % world:
         raise ValueError(f"sft.batch_size={config.batch_size} does not split over {world} processes (the world "
                          f"size): make it a multiple of {world}")
+    longest = max(data.lengths)
+    if longest > config.max_tokens_per_micro_batch:
+        raise ConfigError(f"sft.max_tokens_per_micro_batch={config.max_tokens_per_micro_batch} is smaller than the "
+                          f"longest example, {longest} tokens: set it to at least {longest}")
     local = config.batch_size // world
-    data = TokenizedExamples.of(tokenize_examples(tokenizer, examples))
-    device = next(model.parameters()).device
+    budget, lockstep = config.max_tokens_per_micro_batch, world > 1
     optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
     scheduler = warmup_cosine(optimizer, config.warmup_steps, config.max_steps)
     rng = random.Random(seed)
@@ -191,22 +275,15 @@ def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConf
         mine = order[: config.batch_size][rank * local : (rank + 1) * local]  # the same draw everywhere
         del order[: config.batch_size]
         if pack is None:
-            pack = distributed.all_agree(packing_matches_padding(model, data, mine, tokenizer.pad_token_id))
-            if not pack and next(model.parameters()).dtype in (torch.float32, torch.float64):
+            pack = distributed.all_agree(packing_matches_padding(model, data, mine, pad_id, budget, lockstep))
+            if not pack:
                 print("grpokit: this model's attention does not keep packed examples apart; "
                       "SFT pads one example per row instead (slower, same result)", file=sys.stderr)
-        batch = (packed_batch if pack else padded_batch)(data, mine, tokenizer.pad_token_id)
-        inputs = {k: v.to(device) for k, v in batch.items()}
-        if world > 1:  # sum of this process's token losses / the whole batch's token count
-            count = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum())
-            inputs["num_items_in_batch"] = count.to(device)
-        with compute_autocast(model):
-            out = model(**inputs, use_cache=False)
-        loss = distributed.all_reduce_sum(out.loss.detach())  # the whole batch's mean token loss
+        batch = (packed_batch if pack else padded_batch)(data, mine, pad_id)
+        optimizer.zero_grad(set_to_none=True)
+        loss = accumulate_gradients(model, batch, budget, lockstep)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss became {loss.item()} at step {len(losses)}; lower sft.learning_rate")
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
