@@ -90,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_mean_abs_dw"], result[f"{name}_changed_frac"] = mean, changed
         print(f"{name:10s} mean |dw| {mean:.3e}, {changed:.1%} of weights changed", flush=True)
     if "fp32" in args.variants and "bf16" in args.variants:
-        result["ratio"] = result["bf16_mean_abs_dw"] / result["fp32_mean_abs_dw"]
-        result["pass"] = abs(result["ratio"] - 1) <= 0.10
-        print(f"bf16 / fp32 movement: {result['ratio']:.3f} (target 0.90-1.10: "
-              f"{'met' if result['pass'] else 'MISSED'})")
+        if result["fp32_mean_abs_dw"] == 0:  # rewards that never varied: nothing moved, nothing to compare
+            result["ratio"], result["pass"] = None, False
+            print("fp32 did not move the weights (no reward varied within a group): no ratio")
+        else:
+            result["ratio"] = result["bf16_mean_abs_dw"] / result["fp32_mean_abs_dw"]
+            result["pass"] = abs(result["ratio"] - 1) <= 0.10
+            print(f"bf16 / fp32 movement: {result['ratio']:.3f} (target 0.90-1.10: "
+                  f"{'met' if result['pass'] else 'MISSED'})")
     result["seconds"] = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     (out / "movement.json").write_text(json.dumps(result, indent=2))

@@ -73,12 +73,22 @@ def test_same_holds_the_weights_in_the_compute_dtype_and_fp32_is_plain():
     assert not isinstance(compute_autocast(plain), torch.autocast)
 
 
-def test_a_frozen_reference_is_held_in_bf16():
-    model, _ = policy("--model.dtype=bf16")
+def test_a_frozen_reference_holds_bf16_linear_layers_and_computes_what_the_policy_does():
+    model, tokenizer = policy("--model.dtype=bf16")
     ref = frozen_copy(model)
-    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    tied = ref.get_input_embeddings().weight
+    assert ref.get_output_embeddings().weight is tied  # this model ties its head: that weight stays fp32
+    for name, module in ref.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            assert module.weight.dtype == (torch.float32 if module.weight is tied else torch.bfloat16), name
+    linear = sum(m.weight.numel() for m in ref.modules() if isinstance(m, torch.nn.Linear))
+    assert linear > 0.5 * sum(p.numel() for p in ref.parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the policy is untouched
     assert not any(p.requires_grad for p in ref.parameters())
+    # the same log-probs as the policy it was copied from: the first step's KL is exactly 0
+    ids = torch.tensor([tokenizer("Q: 1+2-3+4\n12-3+4 / 9+4 / A: 13")["input_ids"]])
+    args = (ids, torch.ones_like(ids), 8)
+    assert torch.equal(token_logprobs(ref, *args)[0], token_logprobs(model, *args)[0])
 
 
 def grpo_movement(dtype: str, master: str, steps: int = 3, lr: float = 2e-6) -> float:

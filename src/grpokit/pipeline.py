@@ -253,7 +253,8 @@ def _policy_for_run(config: Config, checkpoint: Path | None):
         model = apply_lora(model, config.model.lora) if checkpoint is None else load_lora(model, checkpoint)
     elif checkpoint is not None and config.grpo.beta > 0:
         # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
-        ref_model = frozen_copy(load_policy(config, trainable=False)[0])
+        # loaded as the uninterrupted run's policy was, then frozen the same way: the same pi_ref
+        ref_model = frozen_copy(load_policy(config)[0])
     return model, tokenizer, ref_model
 
 

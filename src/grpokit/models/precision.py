@@ -12,8 +12,8 @@ How compute runs in the lower dtype:
 - FSDP2: `MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)` (models/sharding.py)
   gathers each layer's fp32 shards as bf16 for the forward and reduces gradients in fp32.
 
-Frozen models (pi_ref, a reward model that only scores, a LoRA base) hold their weights in the
-compute dtype: they are never updated, so a master copy would be memory spent for nothing.
+Frozen models (pi_ref, a reward model that only scores, a LoRA base) hold their linear layers in
+the compute dtype: they are never updated, so a master copy would be memory spent for nothing.
 Log-probs, the loss and the reward scores are computed in fp32 from the bf16 logits.
 """
 
@@ -109,10 +109,18 @@ def in_compute_dtype(fn):
 
 
 def as_frozen(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` cast to its compute dtype (in place): a frozen model needs no wider copy."""
+    """`model` (a frozen copy of a policy) with its linear layers' weights cast to the compute dtype,
+    in place: they are most of its memory, and autocast would cast them at every product anyway.
+    Embeddings and norms keep the policy's dtype, as autocast leaves them, so the copy computes
+    exactly what the policy computes (the k3 KL of the first step is 0, as the paper's is). A
+    linear weight tied to the embedding stays too."""
     dtype = compute_dtype(model)
-    if dtype is not None:
-        model.to(dtype=dtype)
+    if dtype is None:
+        return model
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in embeddings:
+            module.to(dtype=dtype)
     return model
 
 
