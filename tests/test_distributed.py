@@ -346,7 +346,7 @@ def test_bench_memory_measures_full_and_lora_on_one_and_two_processes(tmp_path):
     import json
 
     out = tmp_path / "memory.json"
-    done = subprocess.run([sys.executable, "-m", "grpokit", "bench", "memory", "--measure", "--hidden-size=32",
+    done = subprocess.run([sys.executable, "-m", "grpokit", "bench", "memory", "--measure", "--table=setups", "--hidden-size=32",
                            "--num-layers=2", "--num-heads=2", "--intermediate-size=64", "--lora-r=4", "--steps=1",
                            "--max-completion-length=8", "--json", str(out)],
                           env=run_env(), capture_output=True, text=True, timeout=900)
