@@ -130,15 +130,15 @@ def save_model_files(model, tokenizer, directory: Path, state_dict=None) -> None
     from grpokit.models.precision import compute_dtype, compute_dtype_state
 
     dtype = compute_dtype(model)
-    state = state_dict
-    if dtype is not None and not is_lora(model) and _weights_dtype(model, state) != dtype:
-        model.save_pretrained(directory / MASTER_DIR, safe_serialization=True,
-                              **({"state_dict": state} if state is not None else {}))
-        state = compute_dtype_state(state if state is not None else model.state_dict(), dtype)
-        model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+    kwargs = {"state_dict": state_dict} if state_dict is not None else {}
+    mixed = dtype is not None and not is_lora(model) and _weights_dtype(model, state_dict) != dtype
+    if mixed:  # the master weights as they are, then the compute-dtype copy at the top
+        model.save_pretrained(directory / MASTER_DIR, safe_serialization=True, **kwargs)
+        kwargs = {"state_dict": compute_dtype_state(state_dict if state_dict is not None else model.state_dict(),
+                                                    dtype)}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    if mixed:
         _set_config_dtype(directory / "config.json", dtype)
-    else:
-        model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
     tokenizer.save_pretrained(directory)
 
 
