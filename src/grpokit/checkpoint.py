@@ -7,6 +7,7 @@ A checkpoint directory `checkpoints/step-N/` holds
   master/             fp32 master weights, when compute ran in bf16 (model.safetensors is then bf16)
   config.yaml         the run's config when it was saved
   manifest.json       size and sha256 of every file above, written last
+and `checkpoints/latest` links to the newest (from_pretrained("run/checkpoints/latest") loads it).
 
 Writes are atomic: everything goes into a hidden temp directory, each file is fsynced, the
 directory is renamed into place, and only then is the `latest` pointer replaced. A crash or a
@@ -34,6 +35,12 @@ LATEST = "latest"
 MASTER_DIR = "master"  # fp32 master weights of a mixed-precision run
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_STATE = re.compile(r"^trainer_state\.rank(\d+)\.pt$")
+
+
+def step_number(name: str) -> int | None:
+    """N of a `step-N` checkpoint directory's name; None for any other name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def rank_state_file(rank: int) -> str:
@@ -258,12 +265,18 @@ class CheckpointManager:
         return path
 
     def _point_latest_at(self, name: str) -> None:
+        """`latest` -> step-N, a relative symbolic link, so from_pretrained(".../latest") loads it;
+        a one-line text file naming it where the file system has no links."""
         tmp = self.directory / f".{LATEST}.tmp-{os.getpid()}"
         try:
-            with tmp.open("w") as f:
-                f.write(name + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            tmp.unlink(missing_ok=True)
+            try:
+                os.symlink(name, tmp, target_is_directory=True)
+            except (OSError, NotImplementedError):
+                with tmp.open("w") as f:
+                    f.write(name + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, self.directory / LATEST)
             _fsync_path(self.directory)
         except OSError as err:
@@ -284,7 +297,9 @@ class CheckpointManager:
 
         candidates: list[Path] = []
         pointer = self.directory / LATEST
-        if pointer.is_file():
+        if pointer.is_symlink():
+            candidates.append(self.directory / os.readlink(pointer))
+        elif pointer.is_file():  # the text pointer of older runs
             candidates.append(self.directory / pointer.read_text().strip())
         candidates += [p for p in self.step_dirs() if p not in candidates]
         for path in candidates:

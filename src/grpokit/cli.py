@@ -43,7 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", nargs="?", help="YAML config" + (" laid over the demo preset" if name == "demo" else ""))
-        p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="run directory (config key output_dir)")
+        p.add_argument("--output-dir", "--output_dir", dest="output_dir",
+                       help=f"run directory (config key output_dir); default runs/{name}, or runs/{name}-N when "
+                            "that holds a run. A directory that holds another run is refused")
+        p.add_argument("--overwrite", action="store_true",
+                       help="delete the earlier run in the run directory first (it is never overwritten otherwise)")
         p.add_argument("--seed", type=int, help="seed (config key seed)")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
     demo, train, rm, label = (sub.choices[n] for n in ("demo", "train", "train-rm", "label-steps"))
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
         config = load_config(files, overrides)  # fails here, before any model loads
+        choose_run_dir(args, config)
         if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", user_files,
                                                                                              overrides):
             config.grpo.beta = REWARD_MODEL_BETA
@@ -181,23 +186,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def choose_run_dir(args, config) -> None:
+    """output_dir when none is given: runs/<command>, or the next free runs/<command>-N (a bare
+    --resume continues the newest of them); said on stderr, so the user knows where the run went."""
+    from grpokit.rundir import default_run_dir, latest_default_run_dir
+
+    if args.overwrite and getattr(args, "resume", False):
+        raise ConfigError("--overwrite starts afresh and --resume continues: pass one of them")
+    if config.output_dir:
+        return
+    resume = getattr(args, "resume", False)
+    config.output_dir = str(latest_default_run_dir(args.command) if resume else default_run_dir(args.command))
+    print(f"grpokit: run directory {config.output_dir} (--output-dir picks another)", file=sys.stderr)
+
+
 def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.checkpoint import CheckpointError
     from grpokit.data.files import DatasetError
     from grpokit.distributed import PeerFailure
     from grpokit.models.loading import ModelNotFound
-    from grpokit.runlock import RunDirectoryLocked
+    from grpokit.rundir import RunComplete, RunDirectoryInUse
+    from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
     from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
-            RewardModelDataError, PeerFailure)
+            RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable)
 
 
 def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
     from grpokit import distributed, pipeline
+    from grpokit.rundir import NEW, OVERWRITE
 
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
@@ -205,17 +226,17 @@ def _run(args, config) -> int:
     distributed.init(config.distributed.timeout_s)
     distributed.main_only_stdout()
     try:
-        progress = not args.quiet
+        progress, mode = not args.quiet, OVERWRITE if args.overwrite else NEW
         if args.command == "demo":
-            pipeline.run_demo(config, progress)
+            pipeline.run_demo(config, progress, mode)
         elif args.command == "label-steps":
-            pipeline.run_label_steps(config, args.out, progress)
+            pipeline.run_label_steps(config, args.out, progress, mode)
         elif args.command == "train-rm":
-            pipeline.run_train_rm(config, progress, data=args.data)
+            pipeline.run_train_rm(config, progress, data=args.data, run_dir_mode=mode)
         elif args.command == "train":
-            pipeline.run_train(config, progress, resume=args.resume, force=args.force)
+            pipeline.run_train(config, progress, resume=args.resume, force=args.force, run_dir_mode=mode)
         else:
-            pipeline.run_sft(config, progress)
+            pipeline.run_sft(config, progress, mode)
     except BaseException as err:
         if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
             reason = (str(err).strip().splitlines() or [""])[0][:300]

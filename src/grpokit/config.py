@@ -282,7 +282,8 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    output_dir: str = opt("runs/demo", "run directory: config.yaml, metrics.jsonl, checkpoints, plots")
+    output_dir: str = opt("", "run directory: config.yaml, metrics.jsonl, checkpoints, plots. Default: "
+                              "runs/<command>, or runs/<command>-N when that holds a run")
     seed: int = opt(0, "seed for data, initialisation and sampling")
     algo: Literal["grpo", "ppo"] = opt("grpo", "grpo, or the ppo baseline (critic + GAE, KL in the reward; "
                                                "shares sampling, lr, epsilon and beta with the grpo section)")

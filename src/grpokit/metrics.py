@@ -28,6 +28,19 @@ class MetricsWriter:
         self.close()
 
 
+class NullWriter:
+    """A metrics file on ranks other than 0: rank 0 writes the reduced row."""
+
+    def __enter__(self) -> "NullWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def write(self, record: dict) -> None:
+        pass
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]

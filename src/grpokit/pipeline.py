@@ -37,7 +37,9 @@ from grpokit.data.reward_data import (
     write_jsonl,
 )
 from grpokit.data.sources import check_sources
-from grpokit.eval.plots import plot_reward_curve
+from grpokit.eval.plots import plot_loss_curve, plot_reward_curve
+from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
+from grpokit.rundir import CLAIMED, NEW, check_not_complete, claim_run_dir
 from grpokit.runlock import RunLock
 from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
@@ -59,39 +61,54 @@ from grpokit.train.reward_model import (
 from grpokit.train.sft import sft_train
 
 
-@contextmanager
-def run_lock(output_dir: str):
-    """The run directory's lock, taken by rank 0 alone (the other processes write nothing there);
-    when rank 0 cannot take it, every process stops."""
-    if distributed.world_size() == 1:
-        with RunLock(output_dir):
-            yield
-        return
-    lock, failure = RunLock(output_dir), None
+def on_main(step, what: str) -> None:
+    """Run `step` on rank 0 alone; when it fails there, every process stops (rank 0 with its error)."""
+    failure = None
     if distributed.is_main():
         try:
-            lock.__enter__()
-        except Exception as err:  # RunDirectoryLocked, or an unwritable directory
+            step()
+        except Exception as err:
             failure = err
     if not distributed.all_agree(failure is None):
         if failure is not None:
             raise failure
-        raise RuntimeError(f"rank 0 could not lock the run directory {output_dir}; see its message")
+        raise RuntimeError(f"rank 0 could not {what}; see its message")
+
+
+@contextmanager
+def run_lock(output_dir: str, mode: str = CLAIMED, can_resume: bool = False):
+    """The run directory's lock, taken by rank 0 alone (the other processes write nothing there),
+    and the directory claimed for a new run (rundir.claim_run_dir) unless `mode` is CLAIMED;
+    when rank 0 cannot take or claim it, every process stops."""
+    lock = RunLock(output_dir)
+    on_main(lock.__enter__, f"lock the run directory {output_dir}")
     try:
+        on_main(lambda: claim_run_dir(output_dir, mode, can_resume), f"claim the run directory {output_dir}")
         yield
     finally:
         if distributed.is_main():
             lock.__exit__(None, None, None)
 
 
-def run_sft(config: Config, progress: bool = True) -> Path:
+def claim(output_dir: str, mode: str) -> None:
+    """Claim output_dir for a new run (rundir.claim_run_dir) under its lock, then release the lock
+    for the run's stages to take in turn."""
+    with run_lock(output_dir, mode):
+        pass
+
+
+SFT_METRICS, SFT_LOSS_CURVE = "sft_metrics.jsonl", "sft_loss_curve.png"
+
+
+def run_sft(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> Path:
     """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations; data parallel
-    under torchrun (sft.batch_size is the global batch)."""
+    under torchrun (sft.batch_size is the global batch). Writes sft_metrics.jsonl (a row a step)
+    and sft_loss_curve.png beside the checkpoint. `run_dir_mode`: rundir.NEW, OVERWRITE or CLAIMED."""
     check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
     if config.sft.batch_size % distributed.world_size():
         raise ConfigError(f"sft.batch_size={config.sft.batch_size} does not split over {distributed.world_size()} "
                           f"processes (the world size): make it a multiple of {distributed.world_size()}")
-    with run_lock(config.output_dir):
+    with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config, write=distributed.is_main())
         model, tokenizer = load_policy(config)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
@@ -103,23 +120,30 @@ def run_sft(config: Config, progress: bool = True) -> Path:
         demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)
         if not demos:
             raise ConfigError("no SFT demonstrations: set data.sft_sources to files with worked solutions")
-        losses = sft_train(model, tokenizer, [(r["prompt"], r["completion"]) for r in demos], config.sft,
-                           seed=config.seed, progress=progress)
+        log = run_dir / SFT_METRICS
+        with (MetricsWriter(log) if distributed.is_main() else NullWriter()) as writer:
+            losses = sft_train(model, tokenizer, [(r["prompt"], r["completion"]) for r in demos], config.sft,
+                               seed=config.seed, progress=progress, on_step=writer.write)
         path = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
-    print(f"saved {path} ({len(demos)} demonstrations, final loss {losses[-1]:.4f})")
+        if distributed.is_main():
+            plot_loss_curve(read_metrics(log), run_dir / SFT_LOSS_CURVE, title=f"grpokit SFT (seed {config.seed})")
+    print(f"saved {path} ({len(demos)} demonstrations, final loss {losses[-1]:.4f}); "
+          f"loss per step in {run_dir / SFT_METRICS} and {run_dir / SFT_LOSS_CURVE}")
     return path
 
 
-def run_demo(config: Config, progress: bool = True) -> dict:
-    """The preset's stages in order: SFT (unless sft.checkpoint gives pi_SFT), then RL from it."""
+def run_demo(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> dict:
+    """The preset's stages in order: SFT (unless sft.checkpoint gives pi_SFT), then RL from it,
+    in one run directory."""
     started = time.perf_counter()
     sft_dir = config.sft.checkpoint
     if sft_dir and not (Path(sft_dir) / "config.json").is_file():
         raise ConfigError(f"sft.checkpoint {sft_dir!r} is not a saved model (no config.json there); "
                           "point it at a run's checkpoints/sft directory")
+    claim(config.output_dir, run_dir_mode)  # the stages below share the directory, each taking its lock
     timings = {}
     if "sft" in config.stages and not sft_dir:
-        sft_dir = str(run_sft(config, progress))
+        sft_dir = str(run_sft(config, progress, CLAIMED))
         timings["sft_seconds"] = time.perf_counter() - started
     elif sft_dir:
         print(f"pi_SFT from {sft_dir} (sft.checkpoint); no SFT in this run")
@@ -128,8 +152,7 @@ def run_demo(config: Config, progress: bool = True) -> dict:
     # pi_SFT enters RL through the same loader a hub checkpoint would.
     rl_config = dataclasses.replace(config, model=dataclasses.replace(config.model, name_or_path=sft_dir or
                                                                       config.model.name_or_path))
-    summary = run_train(rl_config, progress, timings=timings, started=started)
-    return summary
+    return run_train(rl_config, progress, timings=timings, started=started, run_dir_mode=CLAIMED)
 
 
 def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
@@ -227,6 +250,8 @@ def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path
               f"not at {resume}", file=sys.stderr)
     checkpoint = boundary / "policy" if boundary is not None else \
         find_resume_checkpoint(config.output_dir, None if resume is True else resume)
+    if boundary is None:
+        check_not_complete(config.output_dir, checkpoint, config.grpo.max_steps)
     check_resume_config(checkpoint, config, force)
     saved, world = saved_world_size(checkpoint), distributed.world_size()
     if saved != world:
@@ -272,15 +297,16 @@ def _shard_for_run(config: Config, model, ref_model):
 
 
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
-              timings: dict | None = None, started: float | None = None) -> dict:
+              timings: dict | None = None, started: float | None = None, run_dir_mode: str = NEW) -> dict:
     """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
-    intact checkpoint of output_dir (or from the path given). Returns the run's summary."""
+    intact checkpoint of output_dir (or from the path given). A new run needs an unused output_dir
+    (`run_dir_mode`: rundir.NEW, OVERWRITE or CLAIMED). Returns the run's summary."""
     started = started or time.perf_counter()
     for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
         check_sources(sources, config.data.skip_malformed_lines)
     check_reward_model_setup(config)
     check_world_size(config, distributed.world_size())
-    with run_lock(config.output_dir):
+    with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True):
         checkpoint, boundary = _resume_point(config, resume, force)
         run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
@@ -295,7 +321,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         before = None
         if heldout and config.eval.before and checkpoint is None:
             t = time.perf_counter()
-            before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
+                                   progress=progress, desc="held-out eval before RL")
             timings["eval_before_seconds"] = time.perf_counter() - t
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
                   + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
@@ -325,7 +352,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
         if heldout:
             t = time.perf_counter()
-            after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain")
+            after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
+                                  progress=progress, desc="held-out eval after RL")
             timings["eval_after_seconds"] = time.perf_counter() - t
             summary.update(_report(config, task, run_dir, history, before, after))
         summary.update(timings, wall_seconds=time.perf_counter() - started)
@@ -379,7 +407,10 @@ def tir_table(before, after, algo: str = "grpo") -> str:
 
 
 def _report(config: Config, task, run_dir: Path, history: list[dict], before, after) -> dict:
-    """Print and write the before/after table and the reward curve; the summary's results."""
+    """Print and write the before/after table and the reward curve (of every step the run logged,
+    before a resume too); the summary's results."""
+    logged = run_dir / "metrics.jsonl"
+    history = (read_metrics(logged) if logged.is_file() else []) or history
     table = format_table(task, before, after, config.algo)
     print(table)
     if after.tir is not None:
@@ -416,14 +447,14 @@ def _report(config: Config, task, run_dir: Path, history: list[dict], before, af
     return out
 
 
-def run_label_steps(config: Config, out: str, progress: bool = True) -> dict:
+def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mode: str = NEW) -> dict:
     """Math-Shepherd step labels: sample reward_model.samples_per_question solutions of
     reward_model.num_questions questions from the policy, split them at reward_model.step_delimiter,
     continue every step prefix reward_model.label_rollouts times, grade by rule, and write
     (prompt, steps, labels, soft_labels) records to `out`, the file `train-rm --process --data` reads."""
     check_sources(config.data.sources, config.data.skip_malformed_lines)
     rm = config.reward_model
-    with RunLock(config.output_dir):
+    with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config)
         policy, tokenizer = load_policy(config, trainable=False)  # it only samples
         task = task_for(config)
@@ -463,14 +494,14 @@ def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: 
                              max_pairs_per_prompt=max_pairs_per_prompt)
 
 
-def run_train_rm(config: Config, progress: bool = True, data: str = "") -> Path:
+def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_mode: str = NEW) -> Path:
     """Train an outcome (Bradley-Terry) or process (per-step BCE) reward model, initialised from
     model.name_or_path (or a fresh tiny model), on `data` or on the policy's own graded samples.
     Saves output_dir/reward_model in Hugging Face format with its held-out accuracy."""
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
-    with run_lock(config.output_dir):
+    with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config)
         examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
                                          config.seed, rm.max_pairs_per_prompt) if data else None

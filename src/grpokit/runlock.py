@@ -12,14 +12,23 @@ class RunDirectoryLocked(RuntimeError):
     """Another process is training in this run directory."""
 
 
+class RunDirectoryUnwritable(RuntimeError):
+    """The run directory cannot be created or written."""
+
+
 class RunLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"
         self._fd: int | None = None
 
     def __enter__(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunDirectoryUnwritable(
+                f"cannot write to the run directory {self.path.parent}: {err.strerror or err}; "
+                "pick a writable --output-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -560,20 +561,33 @@ class ResultsFile:
 # --------------------------------------------------------------------------- the commands
 
 
+def writable_output_dir(path: str) -> Path:
+    """`path`, created, once a file could be made in it: an unwritable one fails before any model loads."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as err:
+        raise EvalError(f"cannot write to the output directory {out}: {err.strerror or err}; "
+                        "pick a writable --output-dir") from None
+    return out
+
+
 def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequence[str], settings: EvalSettings,
                    engine_name: str = "hf", max_rows: int = 0, device: str = "auto", dtype: str = "auto",
                    kv_cache_gb: float = 1.0, question_column: str = "", answer_column: str = "",
                    progress: bool = True) -> dict:
     """Generate, score and write everything for every dataset x mode; returns results.json's content."""
     import torch
-    from tqdm.auto import tqdm
 
     from grpokit.config import RolloutConfig
+    from grpokit.progress import progress as progress_bar
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.rollout import make_engine
     from grpokit.sandbox import namespaces_available
 
     benchmarks = load_benchmarks(data, max_rows, question_column, answer_column)  # before any model loads
+    out = writable_output_dir(out_dir)
     model_path = resolve_model(model)
     if model_path != model:
         print(f"grpokit: evaluating {model_path}", file=sys.stderr)
@@ -588,8 +602,6 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     torch.manual_seed(settings.seed)
     engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb,
                                        max_model_len=settings.max_model_len), policy, tokenizer, settings.seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     header = {"model": model, "model_path": model_path, "engine": engine_name, "prompt_format": layout,
               "prompt_layout": PLAIN_LAYOUT if layout == "plain" else "the tokenizer's chat template",
               "load_seconds": time.perf_counter() - load_start,
@@ -604,8 +616,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
             done = read_completions(path, bench)
             todo = [i for i in range(len(bench)) if i not in done]
             timings, start = Timings(), time.perf_counter()
-            with tqdm(total=len(bench), initial=len(bench) - len(todo), desc=f"{bench.name} {MODE_TITLES[mode]}",
-                      unit="question", disable=not progress, dynamic_ncols=True) as bar:
+            with progress_bar(total=len(bench), initial=len(bench) - len(todo), unit="question",
+                              desc=f"{bench.name} {MODE_TITLES[mode]}", enabled=progress) as bar:
                 for first in range(0, len(todo), settings.batch_size):
                     chunk = todo[first : first + settings.batch_size]
                     records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings)

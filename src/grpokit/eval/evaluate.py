@@ -78,13 +78,15 @@ def evaluate(
     answer_key: str = "answer",
     engine=None,
     grade: Callable[[list[dict], list[str]], list[bool]] | None = None,
+    bar=None,
 ) -> EvalResult:
     """Greedy accuracy, and pass@k / maj@k from k samples at `temperature`, sampled through
     `engine` (default: transformers' generate on `model`).
 
     rows: dicts with "prompt" and `answer_key`. A completion is correct when its extracted
     answer is `equivalent` to the reference, or by `grade(rows, completions)` when given (a
-    verifier such as math-verify); maj@k votes over the extracted answers.
+    verifier such as math-verify); maj@k votes over the extracted answers. `bar` (grpokit.progress)
+    advances by one per question generated, greedily and then k times.
     """
     if not rows:
         raise ValueError("evaluate got no rows")
@@ -98,20 +100,33 @@ def evaluate(
 
     prompts = [r["prompt"] for r in rows]
     start = time.perf_counter()
-    greedy = engine.generate(prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size))
-    greedy_hits = sum(judge(rows, greedy.completions))
+    greedy = generate_in_calls(engine, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size), bar)
+    greedy_hits = sum(judge(rows, greedy))
     greedy_seconds = time.perf_counter() - start
-    sampled = engine.generate(prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size))
-    hits = judge([row for row in rows for _ in range(k)], sampled.completions)
+    sampled = generate_in_calls(engine, prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size), bar)
+    hits = judge([row for row in rows for _ in range(k)], sampled)
     passes = majority = 0.0
     for q in range(len(rows)):
-        answers = [extract_answer(c) for c in sampled.completions[q * k : (q + 1) * k]]
+        answers = [extract_answer(c) for c in sampled[q * k : (q + 1) * k]]
         group_hits = hits[q * k : (q + 1) * k]
         passes += pass_at_k(k, sum(group_hits), k)
         voted = majority_answer(answers)  # the majority answer is right when a sample giving it was judged right
         majority += voted is not None and any(ok for a, ok in zip(answers, group_hits) if a == voted)
     n = len(rows)
-    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy.completions, greedy_seconds)
+    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy, greedy_seconds)
+
+
+def generate_in_calls(engine, prompts: list[str], k: int, params: SamplingParams, bar=None) -> list[str]:
+    """k completions of each prompt (groups contiguous), in calls of params.batch_size sequences,
+    the batches the engine would make anyway, so that `bar` can show them done."""
+    per_call = max(1, params.batch_size // k)
+    completions: list[str] = []
+    for first in range(0, len(prompts), per_call):
+        part = prompts[first : first + per_call]
+        completions += engine.generate(part, k, params).completions
+        if bar is not None:
+            bar.update(len(part))
+    return completions
 
 
 def evaluate_tir(
@@ -125,6 +140,7 @@ def evaluate_tir(
     tool_timeout_s: float = 10.0,
     batch_size: int = 512,
     answer_key: str = "answer",
+    bar=None,
 ) -> TIRResult:
     """Greedy tool-integrated reasoning: each row's "prompt" is generated from until the model
     writes "```output", its program runs in grpokit.sandbox, the output is appended, and
@@ -139,8 +155,12 @@ def evaluate_tir(
     start, timings = time.perf_counter(), Timings()
     params = SamplingParams(max_new_tokens, 0.0, 1.0, batch_size, stop=(OUTPUT_STOP,))
     generate = EngineGenerate(engine, tokenizer, params, max_model_len, seed=0, timings=timings)
-    traced = rollouts(generate, [r["prompt"] for r in rows], "tir", max_tool_calls,
-                      timed_sandbox(timings, tool_timeout_s))
+    traced, sandbox = [], timed_sandbox(timings, tool_timeout_s)
+    for first in range(0, len(rows), batch_size):  # each question's rounds are its own: calls of batch_size
+        part = [r["prompt"] for r in rows[first : first + batch_size]]
+        traced += rollouts(generate, part, "tir", max_tool_calls, sandbox)
+        if bar is not None:
+            bar.update(len(part))
     completions = [trace.completion for trace, _ in traced]
     hits = sum((a := extract_answer(c)) is not None and _string_equal(a, str(r[answer_key]))
                for r, c in zip(rows, completions))

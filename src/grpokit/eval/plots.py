@@ -19,6 +19,34 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
 
     baseline / final: held-out greedy accuracy before and after, drawn as reference lines.
     """
+    panels = [
+        ("reward/mean", "train reward (sampled rollouts)", "tab:blue"),
+        ("completion/mean_length", "completion tokens", "tab:purple"),
+        ("kl", "KL to reference (k3)", "tab:red"),
+    ]
+    fig, axes = _stacked_curves(metrics, panels, title, "GRPO step")
+    reward_ax = axes[0]
+    if baseline is not None:
+        reward_ax.axhline(baseline, color="tab:gray", ls="--", label=f"held-out greedy accuracy, SFT: {baseline:.1%}")
+    if final is not None:
+        reward_ax.axhline(final, color="tab:green", ls="--", label=f"held-out greedy accuracy, after RL: {final:.1%}")
+    reward_ax.set_ylim(-0.02, 1.02)
+    return _save(fig, axes, path)
+
+
+def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "SFT") -> Path:
+    """SFT's loss, gradient norm and learning rate per step (sft_metrics.jsonl rows), stacked, as a PNG."""
+    panels = [
+        ("loss", "SFT loss (mean token NLL)", "tab:blue"),
+        ("grad_norm", "gradient norm (before clipping)", "tab:red"),
+        ("lr", "learning rate", "tab:gray"),
+    ]
+    fig, axes = _stacked_curves(metrics, panels, title, "SFT step")
+    return _save(fig, axes, path)
+
+
+def _stacked_curves(metrics: list[dict], panels: list[tuple[str, str, str]], title: str, xlabel: str):
+    """One panel per (key, label, colour): the raw values faint, a moving average over them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,11 +56,6 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
         raise ValueError("no metrics to plot: the run logged no steps")
     steps = [m["step"] for m in metrics]
     window = max(1, len(steps) // 20)
-    panels = [
-        ("reward/mean", "train reward (sampled rollouts)", "tab:blue"),
-        ("completion/mean_length", "completion tokens", "tab:purple"),
-        ("kl", "KL to reference (k3)", "tab:red"),
-    ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 6.5), dpi=120, sharex=True)
     for ax, (key, label, color) in zip(axes, panels):
         values = [float(m.get(key) or 0.0) for m in metrics]
@@ -40,16 +63,16 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
         ax.plot(steps, _moving_average(values, window), color=color, label=f"{label}, {window}-step mean")
         ax.set_ylabel(label.split(" (")[0])
         ax.grid(alpha=0.3)
-    reward_ax = axes[0]
-    if baseline is not None:
-        reward_ax.axhline(baseline, color="tab:gray", ls="--", label=f"held-out greedy accuracy, SFT: {baseline:.1%}")
-    if final is not None:
-        reward_ax.axhline(final, color="tab:green", ls="--", label=f"held-out greedy accuracy, after RL: {final:.1%}")
-    reward_ax.set_ylim(-0.02, 1.02)
+    axes[-1].set_xlabel(xlabel)
+    axes[0].set_title(title)
+    return fig, axes
+
+
+def _save(fig, axes, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         ax.legend(loc="lower right", fontsize=7)
-    axes[-1].set_xlabel("GRPO step")
-    axes[0].set_title(title)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from grpokit import distributed
 from grpokit.config import Config
 from grpokit.eval import EvalResult, evaluate
 from grpokit.eval.evaluate import evaluate_tir
+from grpokit.progress import progress as progress_bar
 from grpokit.rollout import HFEngine, max_model_len
 
 
@@ -54,18 +56,22 @@ def task_for(config: Config) -> Task:
 
 
 def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config, engine=None,
-                  exact_match: bool = False) -> EvalResult:
+                  exact_match: bool = False, progress: bool = False, desc: str = "held-out eval") -> EvalResult:
     """Greedy accuracy, pass@k and maj@k on `rows`, graded by the task's rule (or, with
     `exact_match`, by the extracted answer's string equality); with eval.tir, and a task with a
-    TIR form, greedy tool-integrated accuracy on the same questions too (result.tir)."""
+    TIR form, greedy tool-integrated accuracy on the same questions too (result.tir). With
+    `progress`, one bar counts every pass over the questions: greedy, k samples, TIR."""
     e = config.eval
     engine = engine or HFEngine(model, tokenizer)
-    result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
-                      temperature=e.temperature, batch_size=e.batch_size, engine=engine,
-                      grade=None if exact_match else task.grade)
     tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
-    if tir_rows:
-        result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer, config.grpo.max_completion_length,
-                                  max_model_len(config.rollout, model), e.max_tool_calls, e.tool_timeout_s,
-                                  e.batch_size)
+    passes = 2 + bool(tir_rows)
+    with progress_bar(total=passes * len(rows), desc=f"{desc} ({passes} passes)", unit="question",
+                      enabled=progress and distributed.is_main()) as bar:
+        result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
+                          temperature=e.temperature, batch_size=e.batch_size, engine=engine,
+                          grade=None if exact_match else task.grade, bar=bar)
+        if tir_rows:
+            result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer,
+                                      config.grpo.max_completion_length, max_model_len(config.rollout, model),
+                                      e.max_tool_calls, e.tool_timeout_s, e.batch_size, bar=bar)
     return result

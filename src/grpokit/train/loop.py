@@ -25,17 +25,17 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from grpokit import distributed
 from grpokit.checkpoint import CheckpointManager, rank_state_file
 from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
-from grpokit.metrics import MetricsWriter, truncate_metrics
+from grpokit.metrics import MetricsWriter, NullWriter, truncate_metrics
 from grpokit.micro_batches import split_by_tokens
 from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
 from grpokit.models.precision import as_frozen
+from grpokit.progress import progress
 from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
@@ -82,17 +82,6 @@ MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s",
                  "perf/scoring_time_s", "perf/logprob_time_s", "perf/update_time_s", "rollout/sync_time_s")
 
 
-class _NullWriter:
-    """metrics.jsonl on ranks other than 0: rank 0 writes the reduced row."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def write(self, record: dict) -> None:
-        pass
 
 
 class Algorithm:
@@ -202,9 +191,9 @@ class Trainer:
         until = cfg.max_steps if until is None else until
         history = []
         saved_at = None
-        bar = tqdm(total=until, initial=self.global_step, desc=self.algorithm.name, disable=not self.progress,
-                   dynamic_ncols=True)
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else _NullWriter()
+        bar = progress(total=until, initial=self.global_step, desc=self.algorithm.name, unit="step",
+                       enabled=self.progress and distributed.is_main())
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else NullWriter()
         with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:
                 record = {**(extra_metrics or {}), **self.step()}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
+from grpokit.progress import progress as progress_bar
 
 from grpokit.config import RewardModelConfig
 from grpokit.data.reward_data import (
@@ -78,7 +78,7 @@ def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, se
     order: list[int] = []
     losses = []
     model.train()
-    bar = tqdm(range(config.max_steps), desc=desc, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(range(config.max_steps), desc=desc, unit="step", enabled=progress)
     for _ in bar:
         if len(order) < config.train_batch_size:
             order += rng.sample(range(len(train)), len(train))
@@ -140,8 +140,8 @@ def sample_completions(engine, rows: list[dict], config: RewardModelConfig, max_
                             batch_size=batch_size)
     out_rows, completions = [], []
     chunk = max(1, batch_size // config.samples_per_question)
-    for start in tqdm(range(0, len(rows), chunk), desc="sampling for the reward model", leave=False,
-                      disable=not progress or len(rows) <= chunk):
+    for start in progress_bar(range(0, len(rows), chunk), desc="sampling for the reward model", unit="batch",
+                              enabled=progress and len(rows) > chunk):
         part = rows[start : start + chunk]
         rollout = engine.generate([r["prompt"] for r in part], config.samples_per_question, params, part)
         out_rows += rollout.rows

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from grpokit import distributed
 from grpokit.config import ConfigError, SFTConfig
 from grpokit.micro_batches import split_by_tokens
+from grpokit.models.sharding import grad_norm_value
+from grpokit.progress import progress as progress_bar
 from grpokit.rollout.logprobs import attended_ends, labelled_logprobs
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 
@@ -241,14 +243,15 @@ def packing_matches_padding(model, examples: TokenizedExamples, indices: list[in
 
 
 def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConfig, seed: int = 0,
-              progress: bool = True) -> list[float]:
-    """Train `model` in place on (prompt, completion) pairs; returns the loss of every step."""
+              progress: bool = True, on_step=None) -> list[float]:
+    """Train `model` in place on (prompt, completion) pairs; returns the loss of every step.
+    `on_step(row)` gets each step's step, loss, grad_norm, lr, tokens and step_time_s."""
     data = TokenizedExamples.of(tokenize_examples(tokenizer, examples))
-    return train_on_examples(model, data, tokenizer.pad_token_id, config, seed, progress)
+    return train_on_examples(model, data, tokenizer.pad_token_id, config, seed, progress, on_step)
 
 
 def train_on_examples(model, data: TokenizedExamples, pad_id: int, config: SFTConfig, seed: int = 0,
-                      progress: bool = True) -> list[float]:
+                      progress: bool = True, on_step=None) -> list[float]:
     """sft_train on tokenized examples; returns the loss of every step."""
     world, rank = distributed.world_size(), distributed.rank()
     if config.batch_size % world:
@@ -267,8 +270,7 @@ def train_on_examples(model, data: TokenizedExamples, pad_id: int, config: SFTCo
     losses = []
     pack = None  # decided on the first batch
     model.train()
-    bar = tqdm(range(config.max_steps), desc="sft", disable=not progress or not distributed.is_main(),
-               dynamic_ncols=True)
+    bar = progress_bar(range(config.max_steps), desc="sft", unit="step", enabled=progress and distributed.is_main())
     for _ in bar:
         if len(order) < config.batch_size:
             order += rng.sample(range(len(data)), len(data))  # epochs of shuffled examples
@@ -280,14 +282,20 @@ def train_on_examples(model, data: TokenizedExamples, pad_id: int, config: SFTCo
                 print("grpokit: this model's attention does not keep packed examples apart; "
                       "SFT pads one example per row instead (slower, same result)", file=sys.stderr)
         batch = (packed_batch if pack else padded_batch)(data, mine, pad_id)
+        started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(model, batch, budget, lockstep)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss became {loss.item()} at step {len(losses)}; lower sft.learning_rate")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        if on_step is not None:
+            tokens = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum())
+            on_step({"step": len(losses), "loss": losses[-1], "grad_norm": float(grad_norm), "lr": lr,
+                     "tokens": int(tokens), "step_time_s": time.perf_counter() - started})
     model.eval()
     return losses
