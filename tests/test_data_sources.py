@@ -66,7 +66,8 @@ def test_plain_source_with_column_mapping_builds_rl_rows(tmp_path, ascii_tokeniz
 
 def test_a_bad_column_mapping_names_the_source_and_the_fix(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "1"}])
-    with pytest.raises(DatasetError, match=r"d.jsonl:1: no column 'prompt' .*data.prompt_column"):
+    with pytest.raises(DatasetError, match=r"d.jsonl:1: no column 'prompt' .*prompt_column / answer_column on that "
+                                           r"entry of data.sources"):
         load_source(DataSource(path=str(path)))
     with pytest.raises(DatasetError, match="exactly one of path"):
         load_source(DataSource())

@@ -41,7 +41,8 @@ def test_a_malformed_jsonl_line_is_named_by_file_and_line(tmp_path):
 
 def test_a_missing_column_names_the_line_the_column_and_the_fix(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", GOOD[:3] + [json.dumps({"question": "Q: 2+2\n"})])
-    with pytest.raises(DatasetError, match=rf"{path}:4: no column 'answer' .*data.answer_column"):
+    with pytest.raises(DatasetError, match=rf"{path}:4: no column 'answer' .*prompt_column / answer_column on that "
+                                           r"entry of data.sources"):
         load_prompt_rows(path, "question", "answer")
     with pytest.raises(DatasetError, match=rf"{path}:1: no column 'problem'"):
         load_prompt_rows(path, "problem", "answer")
@@ -111,7 +112,9 @@ def test_training_from_a_prompt_file_with_skipped_rows(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"skipped {path}:9: not valid JSON" in proc.stderr
-    assert "skipped 1 malformed rows" in proc.stderr and "1 prompts over 32 tokens were skipped" in proc.stderr
+    assert "skipped 1 malformed rows" in proc.stderr
+    assert ("grpokit: 1 of 9 RL questions are over data.max_prompt_length=32 tokens and were dropped "
+            "(data.long_prompts=skip); raise data.max_prompt_length to keep them") in proc.stderr
     assert len(read_metrics(run / "metrics.jsonl")) == 1
 
 

@@ -49,7 +49,8 @@ def test_preference_pair_errors_name_line_and_field(tmp_path, bad, field, words)
         read_preference_pairs(path)
     message = str(err.value)
     assert message.startswith(f"{path}:3: ")
-    assert f"'{field}'" in message and words in message and "skip_malformed=True" in message
+    assert f"'{field}'" in message and words in message
+    assert message.endswith("; or set data.skip_malformed_lines=true to skip and count such rows")
 
 
 def test_preference_pairs_skip_malformed(tmp_path, capsys):

@@ -171,24 +171,32 @@ def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
 
 
 def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
-    """Apply data.max_prompt_length, saying how many prompts it touched."""
+    """Apply data.max_prompt_length to RL questions or SFT demonstrations, saying in one line how
+    many of how many it dropped or cut."""
+    from grpokit.data.sources import long_prompts_note
+
     d = config.data
-    rows, long = filter_long_prompts(rows, tokenizer, d.max_prompt_length, d.long_prompts, "data.sources")
+    is_sft = bool(rows) and "completion" in rows[0]  # only demonstrations carry their target
+    what, key = ("SFT demonstrations", "data.sft_sources") if is_sft else ("RL questions", "data.sources")
+    kept, long = filter_long_prompts(rows, tokenizer, d.max_prompt_length, d.long_prompts, key)
     if long:
-        done = "skipped" if d.long_prompts == "skip" else "truncated to their last tokens"
-        print(f"grpokit: {long} prompts over {d.max_prompt_length} tokens were {done}", file=sys.stderr)
-    return rows
+        print(long_prompts_note(long, len(rows), what, d), file=sys.stderr)
+    return kept
 
 
 def _heldout_rows(rows: list[dict], config: Config, tokenizer) -> list[dict]:
-    """Held-out rows within data.max_prompt_length; none left means no evaluation, said once."""
+    """Held-out rows within data.max_prompt_length, whatever data.long_prompts says: evaluation
+    drops a long question, never cuts it (a cut question is another question). What was dropped,
+    or why nothing is left to evaluate, is said in one line."""
+    from grpokit.data.sources import heldout_note
+
     try:
-        short, _ = filter_long_prompts(rows, tokenizer, config.data.max_prompt_length, "skip", "held-out rows")
-    except DatasetError:  # every held-out prompt is too long
-        short = []
-    if not short:
-        print("grpokit: no held-out questions (set data.eval_sources or data.heldout_fraction); "
-              "training without evaluation", file=sys.stderr)
+        short, long = filter_long_prompts(rows, tokenizer, config.data.max_prompt_length, "skip", "held-out questions")
+    except DatasetError:  # no held-out question is short enough
+        short, long = [], len(rows)
+    note = heldout_note(len(rows), long, config.data)
+    if note:
+        print(note, file=sys.stderr)
     return short
 
 

@@ -8,6 +8,7 @@ reach reward functions as keyword arguments, as in TRL. Every problem names the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,54 +17,105 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used as it is."""
 
 
+@dataclass(frozen=True)
+class Fixes:
+    """How a command spells the fixes for a bad row: training's config keys, or eval's flags."""
+
+    skip: str = "set data.skip_malformed_lines=true to skip and count such rows"
+    columns: str = ("set prompt_column / answer_column on that entry of data.sources (or data.eval_sources, "
+                    "data.sft_sources), e.g. --data.sources='[{path: train.jsonl, prompt_column: question, "
+                    "answer_column: answer}]'")
+
+
+TRAINING_FIXES = Fixes()
+# The first bytes of binary files people pass by mistake, and what to do instead.
+_BINARY_KINDS = {b"PAR1": "it is a Parquet file: give it the .parquet suffix",
+                 b"\x1f\x8b": "it is gzip-compressed: gunzip it first"}
+
+
 @dataclass
 class LoadedRows:
     rows: list[dict]
     skipped: list[str] = field(default_factory=list)  # "file:line: why", for each line left out
+    references: list[str] = field(default_factory=list)  # each row's reference answer, when asked for
 
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
 
 
-def read_file_records(path: str | Path, skip_malformed: bool) -> tuple[list[tuple[str, object]], list[str]]:
+def not_utf8_error(path: Path, err: UnicodeDecodeError, line: int, line_offset: int = 0) -> DatasetError:
+    """The error for a file that is not UTF-8 text: where (line, byte) and what to do instead."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    kind = next((why for magic, why in _BINARY_KINDS.items() if head.startswith(magic)), None)
+    fix = kind or "convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 IN > OUT)"
+    return DatasetError(f"{path}:{line}: not UTF-8 text (byte {line_offset + err.start} is "
+                        f"{err.object[err.start]:#04x}); {fix}, or pass a JSONL, JSON or Parquet file")
+
+
+def _read_jsonl(path: Path, skip_malformed: bool, fixes: Fixes) -> tuple[list[tuple[str, object]], list[str]]:
+    records, skipped, offset = [], [], 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:  # a file-wide problem (its encoding): never skipped
+                raise not_utf8_error(path, err, number, offset) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                records.append((f"{path}:{number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                message = f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})"
+                if not skip_malformed:
+                    raise DatasetError(f"{message}; fix the line, or {fixes.skip}") from None
+                skipped.append(message)
+    return records, skipped
+
+
+def _read_json(path: Path) -> list[tuple[str, object]]:
+    raw = path.read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise not_utf8_error(path, err, raw[: err.start].count(b"\n") + 1) from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]} as some exports write it
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON list of objects (or JSONL, one object a line)")
+    return [(f"{path}[row {i}]", r) for i, r in enumerate(data)]
+
+
+def _read_parquet(path: Path) -> list[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]}); pass a Parquet, "
+                           "JSONL or JSON file") from None
+    return [(f"{path}[row {i}]", r) for i, r in enumerate(table.to_pylist())]
+
+
+def read_file_records(path: str | Path, skip_malformed: bool,
+                      fixes: Fixes = TRAINING_FIXES) -> tuple[list[tuple[str, object]], list[str]]:
     """[(location, record)], [skipped]: location is 'file:line' (JSONL) or 'file[row i]'."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".ndjson"):
-        records, skipped = [], []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append((f"{path}:{number}", json.loads(line)))
-                except json.JSONDecodeError as err:
-                    message = f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})"
-                    if not skip_malformed:
-                        raise DatasetError(message + "; fix the line, or set data.skip_malformed_lines=true "
-                                                     "to skip and count such lines") from None
-                    skipped.append(message)
-        return records, skipped
+        return _read_jsonl(path, skip_malformed, fixes)
     if suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
-        if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
-            data = next(iter(data.values()))  # {"data": [...]} as some exports write it
-        if not isinstance(data, list):
-            raise DatasetError(f"{path}: expected a JSON list of objects (or JSONL, one object a line)")
-        return [(f"{path}[row {i}]", r) for i, r in enumerate(data)], []
+        return _read_json(path), []
     if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DatasetError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
-        table = pq.read_table(path)
-        return [(f"{path}[row {i}]", r) for i, r in enumerate(table.to_pylist())], []
+        return _read_parquet(path), []
     raise DatasetError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
 
 
@@ -96,24 +148,35 @@ def read_hub_dataset(name: str, subset: str, split: str) -> list[tuple[str, obje
     return [(f"{name}[{split}][row {i}]", r) for i, r in enumerate(table)]
 
 
+def _record_problem(where: str, record: object, prompt_column: str, answer_column: str | None,
+                    fixes: Fixes) -> str | None:
+    """What keeps a record from being a row (not an object, a missing column, an empty prompt), or None."""
+    if not isinstance(record, dict):
+        return f"{where}: expected a JSON object, got {type(record).__name__}"
+    missing = [c for c in (prompt_column, answer_column) if c and c not in record]
+    if missing:
+        return f"{where}: no column {missing[0]!r} (the row has {sorted(record)}); {fixes.columns}"
+    if not isinstance(record[prompt_column], str) or not record[prompt_column].strip():
+        return f"{where}: column {prompt_column!r} is empty or not text ({record[prompt_column]!r})"
+    return None
+
+
 def check_records(records: list[tuple[str, object]], skipped: list[str], source: str, prompt_column: str,
-                  answer_column: str | None, skip_malformed: bool) -> LoadedRows:
-    """Validate located records into rows: objects, with the columns, with a non-empty prompt."""
-    rows = []
+                  answer_column: str | None, skip_malformed: bool,
+                  read_reference: Callable[[dict], str] | None = None, fixes: Fixes = TRAINING_FIXES) -> LoadedRows:
+    """Validate located records into rows: objects, with the columns, with a non-empty prompt,
+    and with a reference answer read_reference can read (it raises ValueError saying why not)."""
+    rows, references = [], []
     for where, record in records:
-        problem = None
-        if not isinstance(record, dict):
-            problem = f"{where}: expected a JSON object, got {type(record).__name__}"
-        else:
-            missing = [c for c in (prompt_column, answer_column) if c and c not in record]
-            if missing:
-                problem = (f"{where}: no column {missing[0]!r} (the row has {sorted(record)}); "
-                           f"set data.prompt_column / data.answer_column to the right names")
-            elif not isinstance(record[prompt_column], str) or not record[prompt_column].strip():
-                problem = f"{where}: column {prompt_column!r} is empty or not text ({record[prompt_column]!r})"
+        problem = _record_problem(where, record, prompt_column, answer_column, fixes)
+        if problem is None and read_reference is not None:
+            try:
+                references.append(read_reference(record))
+            except ValueError as err:
+                problem = f"{where}: {err}"
         if problem:
             if not skip_malformed:
-                raise DatasetError(problem + "; or set data.skip_malformed_lines=true to skip and count such rows")
+                raise DatasetError(f"{problem}; or {fixes.skip}")
             skipped.append(problem)
             continue
         # The raw columns stay as they are: the format decides what the reference is (a MATH row's
@@ -122,7 +185,7 @@ def check_records(records: list[tuple[str, object]], skipped: list[str], source:
     if not rows:
         raise DatasetError(f"{source}: no usable rows ({len(skipped)} skipped"
                            + (f", first: {skipped[0]}" if skipped else "") + ")")
-    return LoadedRows(rows, skipped)
+    return LoadedRows(rows, skipped, references)
 
 
 def filter_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int, policy: str,
@@ -148,5 +211,6 @@ def filter_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int, pol
                            f"{max_prompt_length} tokens (first: row {i}, {n} tokens); raise the limit, or set "
                            "data.long_prompts to 'skip' or 'truncate'")
     if not kept:
-        raise DatasetError(f"{source}: every prompt is longer than data.max_prompt_length={max_prompt_length}")
+        raise DatasetError(f"{source}: all {len(rows)} prompts are longer than data.max_prompt_length="
+                           f"{max_prompt_length} tokens; raise data.max_prompt_length")
     return kept, affected

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from grpokit.data.files import DatasetError, read_file_records
+from grpokit.data.files import TRAINING_FIXES, DatasetError, read_file_records
 
 T = TypeVar("T")
 
 GRADE_FIELDS = ("correct", "label", "reward")
-_SKIP_HINT = "; or pass skip_malformed=True to skip such rows"
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def _read_rows(path: str | Path, skip_malformed: bool, parse: Callable[[str, dic
             items.append(parse(where, record))
         except _RowProblem as problem:
             if not skip_malformed:
-                raise DatasetError(f"{problem}{_SKIP_HINT}") from None
+                raise DatasetError(f"{problem}; or {TRAINING_FIXES.skip}") from None
             skipped.append(str(problem))
     if not items:
         raise DatasetError(f"{path}: no usable rows ({len(skipped)} skipped"

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 
 from grpokit.data.files import (
+    TRAINING_FIXES,
     DatasetError,
+    Fixes,
     LoadedRows,
     check_records,
     read_file_records,
@@ -35,12 +38,15 @@ def detect_format(record: dict) -> str:
     return "plain"
 
 
-def load_source(source, skip_malformed: bool = False) -> tuple[LoadedRows, str]:
-    """(rows with the raw columns checked, resolved format) of one DataSource config."""
+def load_source(source, skip_malformed: bool = False, read_reference: Callable[[dict, str, str], str] | None = None,
+                fixes: Fixes = TRAINING_FIXES) -> tuple[LoadedRows, str]:
+    """(rows with the raw columns checked, and their reference answers; resolved format) of one
+    DataSource config. read_reference(row, format, answer column) reads a row's reference
+    (default: reference_answer); a row it cannot read is malformed like any other."""
     if bool(source.path) == bool(source.name):
         raise DatasetError("each data source needs exactly one of path (a local file) or name (a datasets name)")
     if source.path:
-        records, skipped = read_file_records(source.path, skip_malformed)
+        records, skipped = read_file_records(source.path, skip_malformed, fixes)
         where = source.path
     else:
         records, skipped, where = read_hub_dataset(source.name, source.subset, source.split), [], source.name
@@ -51,13 +57,16 @@ def load_source(source, skip_malformed: bool = False) -> tuple[LoadedRows, str]:
     default_prompt, default_answer = FORMAT_COLUMNS[fmt]
     prompt_column = source.prompt_column or default_prompt
     answer_column = source.answer_column or default_answer
-    loaded = check_records(records, skipped, where, prompt_column, answer_column, skip_malformed)
+    read = read_reference or reference_answer
+    loaded = check_records(records, skipped, where, prompt_column, answer_column, skip_malformed,
+                           lambda row: read(row, fmt, answer_column), fixes)
     for row in loaded.rows:
         row["question"] = row["prompt"]  # the raw question, before any template
     return loaded, fmt
 
 
 def reference_answer(row: dict, fmt: str, answer_column: str) -> str:
+    """A row's reference answer; ValueError saying why when it has none that can be read."""
     if fmt == "plain":
         return str(row[answer_column])
     from grpokit.rewards.answers import gsm8k_reference, math_reference
@@ -77,24 +86,27 @@ def worked_solution(row: dict, fmt: str, completion_column: str) -> str:
     return str(row[completion_column])
 
 
+def say_skipped(loaded: LoadedRows, where: str) -> None:
+    """The first few skipped rows and why, then how many were skipped, on stderr."""
+    for line in loaded.skipped[:5]:
+        print(f"grpokit: skipped {line}", file=sys.stderr)
+    if loaded.num_skipped:
+        print(f"grpokit: skipped {loaded.num_skipped} malformed rows of {where}", file=sys.stderr)
+
+
 def build_rows(sources, data_config, tokenizer, sft: bool = False) -> list[dict]:
     """All sources' rows, prompts rendered with the template; problems reported on stderr."""
     out = []
     for source in sources:
         loaded, fmt = load_source(source, data_config.skip_malformed_lines)
-        for line in loaded.skipped[:5]:
-            print(f"grpokit: skipped {line}", file=sys.stderr)
-        if loaded.num_skipped:
-            print(f"grpokit: skipped {loaded.num_skipped} malformed rows of {source.path or source.name}",
-                  file=sys.stderr)
-        answer_column = source.answer_column or FORMAT_COLUMNS[fmt][1]
-        for row in loaded.rows:
+        say_skipped(loaded, source.path or source.name)
+        for row, reference in zip(loaded.rows, loaded.references, strict=True):
             prompt = render_prompt(row["question"], tokenizer, data_config.template, data_config.chat_template,
                                    data_config.system_prompt)
             if sft:
                 out.append({"prompt": prompt, "completion": worked_solution(row, fmt, source.completion_column)})
             else:
-                out.append({**row, "prompt": prompt, "answer": reference_answer(row, fmt, answer_column)})
+                out.append({**row, "prompt": prompt, "answer": reference})
     return out
 
 
@@ -102,3 +114,33 @@ def check_sources(sources, skip_malformed: bool) -> None:
     """Read and validate every source (no tokenizer needed): run before any model loads."""
     for source in sources:
         load_source(source, skip_malformed)
+
+
+def long_prompts_note(affected: int, total: int, what: str, data_config) -> str:
+    """One line: how many of how many `what` are over data.max_prompt_length, and what became of them."""
+    limit = data_config.max_prompt_length
+    over = f"grpokit: {affected} of {total} {what} are over data.max_prompt_length={limit} tokens"
+    if data_config.long_prompts == "truncate":
+        return f"{over} and were cut to their last {limit} tokens (data.long_prompts=truncate)"
+    return f"{over} and were dropped (data.long_prompts=skip); raise data.max_prompt_length to keep them"
+
+
+def heldout_note(total: int, dropped: int, data_config) -> str | None:
+    """The line saying which held-out questions data.max_prompt_length dropped (evaluation never
+    cuts one), or the true reason there are none; None when every one is kept."""
+    d, no_evaluation = data_config, "training without evaluation"
+    never_cut = "were dropped (evaluation never truncates a question)"
+    if total and dropped == total:
+        return (f"grpokit: no held-out questions: all {total} are over data.max_prompt_length={d.max_prompt_length} "
+                f"tokens and {never_cut}; raise data.max_prompt_length to evaluate them; {no_evaluation}")
+    if dropped:
+        return (f"grpokit: {dropped} of {total} held-out questions are over data.max_prompt_length="
+                f"{d.max_prompt_length} tokens and {never_cut}; raise data.max_prompt_length to keep them")
+    if total:
+        return None
+    if d.sources and not d.eval_sources and d.heldout_fraction > 0:
+        return (f"grpokit: no held-out questions: data.heldout_fraction={d.heldout_fraction:g} of data.sources "
+                f"picked none (too few questions); set data.eval_sources or raise data.heldout_fraction; "
+                f"{no_evaluation}")
+    return ("grpokit: no held-out questions (none configured: set data.eval_sources or data.heldout_fraction); "
+            + no_evaluation)

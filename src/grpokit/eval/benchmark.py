@@ -36,8 +36,8 @@ from pathlib import Path
 
 from grpokit.checkpoint import CheckpointError, CheckpointManager
 from grpokit.config import DataSource
-from grpokit.data.files import DatasetError, read_file_records
-from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer
+from grpokit.data.files import DatasetError, Fixes, read_file_records
+from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer, say_skipped
 from grpokit.eval.evaluate import majority_answer, pass_at_k
 from grpokit.eval.tir import OUTPUT_STOP, TIRTrace, build_prompt, final_answer, plain_chat, tir_rollout
 from grpokit.rewards.answers import final_answers
@@ -53,6 +53,9 @@ PLAIN_LAYOUT = "User: {prompt}\n\nAssistant:"
 RESULTS, REPORT, COMPARE = "results.json", "report.md", "compare.md"
 # Settings that must match for a rerun to append to an earlier run's completions.
 RESUME_KEYS = ("model_path", "prompt_format", "max_new_tokens", "max_tool_calls", "k", "temperature", "seed")
+# A bad row's fixes, in grpokit eval's flags.
+EVAL_FIXES = Fixes(skip="pass --skip-malformed-lines to skip and count such rows",
+                   columns="name the columns with --question-column and --answer-column")
 
 
 class EvalError(ValueError):
@@ -99,22 +102,30 @@ def _reference(row: dict, fmt: str, answer_column: str) -> str:
     """The reference answer: GSM8K's "#### x", MATH's answer field or last box, else the
     column itself, or the final answer it states when it is a worked solution ("A: 64")."""
     if fmt != "plain":
-        return reference_answer(row, fmt, answer_column)
-    text = str(row[answer_column]).strip()
-    stated = final_answers(text)
-    return stated[-1] if stated else text
+        reference = reference_answer(row, fmt, answer_column)
+    else:
+        text = str(row[answer_column]).strip()
+        stated = final_answers(text)
+        reference = stated[-1] if stated else text
+    if not reference.strip():
+        raise ValueError(f"the reference answer (column {answer_column!r}) is empty")
+    return reference.strip()
 
 
-def load_benchmark(spec: str, max_rows: int = 0, question_column: str = "", answer_column: str = "") -> Benchmark:
+def load_benchmark(spec: str, max_rows: int = 0, question_column: str = "", answer_column: str = "",
+                   skip_malformed: bool = False) -> Benchmark:
     """Questions and references of the file `spec` ("FILE" or "NAME=FILE").
 
     Columns: GSM8K files (question, answer with "#### x") and MATH files (problem, solution,
     optional answer) are recognised; otherwise the first of question/problem/prompt holds the
     question and the first of answer/solution/ground_truth the reference. Columns named by the
     caller are read as plain text (the reference is the column, or the answer it states).
+    Rows are read and checked as training reads them (data.sources.load_source): a bad row, or
+    one whose reference cannot be read, is an error naming its line, or with `skip_malformed`
+    is left out and counted on stderr.
     """
     name, path = _split_spec(spec)
-    records, _ = read_file_records(path, skip_malformed=False)
+    records, _ = read_file_records(path, skip_malformed=True)  # the first row decides the columns
     first = next((r for _, r in records if isinstance(r, dict)), None)
     if first is None:
         raise DatasetError(f"{path}: no JSON objects to evaluate")
@@ -129,31 +140,16 @@ def load_benchmark(spec: str, max_rows: int = 0, question_column: str = "", answ
             wanted = repr(column) if column else f"one of {', '.join(looked_for)}"
             raise DatasetError(f"{path}: no {what} column ({wanted}); its rows have the columns {sorted(first)}. "
                                f"Name the columns with --question-column and --answer-column")
-    for where, record in records[: max_rows or None]:
-        if not isinstance(record, dict) or question not in record or answer not in record:
-            has = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DatasetError(f"{where}: needs the columns {question!r} and {answer!r}, has {has}")
-    loaded, fmt = load_source(DataSource(path=path, format=fmt, prompt_column=question, answer_column=answer,
-                                         max_rows=max_rows))
-    references = []
-    # References come from the file's own records: the loaded rows' "answer" holds the answer
-    # column (a MATH row's whole solution), which would hide a MATH-500 row's answer field.
-    raw = [record for _, record in records[: max_rows or None]]
-    for i, record in enumerate(raw, start=1):
-        try:
-            reference = _reference(record, fmt, answer).strip()
-        except ValueError as err:
-            raise DatasetError(f"{path} row {i}: {err}") from None
-        if not reference:
-            raise DatasetError(f"{path} row {i}: the reference answer (column {answer!r}) is empty")
-        references.append(reference)
+    source = DataSource(path=path, format=fmt, prompt_column=question, answer_column=answer, max_rows=max_rows)
+    loaded, fmt = load_source(source, skip_malformed, read_reference=_reference, fixes=EVAL_FIXES)
+    say_skipped(loaded, path)
     return Benchmark(name or dataset_name(path), path, fmt, question, answer,
-                     [row["question"] for row in loaded.rows], references)
+                     [row["question"] for row in loaded.rows], loaded.references)
 
 
 def load_benchmarks(specs: Sequence[str], max_rows: int = 0, question_column: str = "",
-                    answer_column: str = "") -> list[Benchmark]:
-    benchmarks = [load_benchmark(s, max_rows, question_column, answer_column) for s in specs]
+                    answer_column: str = "", skip_malformed: bool = False) -> list[Benchmark]:
+    benchmarks = [load_benchmark(s, max_rows, question_column, answer_column, skip_malformed) for s in specs]
     names = Counter(b.name for b in benchmarks)
     clash = [n for n, c in names.items() if c > 1]
     if clash:
@@ -293,6 +289,22 @@ class EngineGenerate:
             self.timings.generate_calls += 1
         self.timings.generate += time.perf_counter() - start
         return out
+
+
+def questions_too_long(bench: Benchmark, mode: str, tokenizer, settings: EvalSettings) -> int:
+    """How many of the benchmark's prompts leave no room for max_new_tokens within max_model_len:
+    they get no completion (never a cut question) and count as wrong."""
+    room = settings.max_model_len - settings.max_new_tokens
+    prompts = [render_prompt(q, mode, tokenizer) for q in bench.questions]
+    return sum(len(ids) > room for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+
+
+def say_questions_too_long(count: int, bench: Benchmark, mode: str, settings: EvalSettings) -> None:
+    if count:
+        print(f"grpokit: {count} of {len(bench)} {bench.name} {MODE_TITLES[mode]} questions do not fit "
+              f"--max-model-len={settings.max_model_len} with --max-new-tokens={settings.max_new_tokens}: they get "
+              "no completion and count as wrong (evaluation never truncates a question); raise --max-model-len or "
+              "lower --max-new-tokens", file=sys.stderr)
 
 
 def timed_sandbox(timings: Timings, timeout_s: float) -> Callable[[list[str]], list]:
@@ -576,7 +588,7 @@ def writable_output_dir(path: str) -> Path:
 def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequence[str], settings: EvalSettings,
                    engine_name: str = "hf", max_rows: int = 0, device: str = "auto", dtype: str = "auto",
                    kv_cache_gb: float = 1.0, question_column: str = "", answer_column: str = "",
-                   progress: bool = True) -> dict:
+                   progress: bool = True, skip_malformed: bool = False) -> dict:
     """Generate, score and write everything for every dataset x mode; returns results.json's content."""
     import torch
 
@@ -586,7 +598,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     from grpokit.rollout import make_engine
     from grpokit.sandbox import namespaces_available
 
-    benchmarks = load_benchmarks(data, max_rows, question_column, answer_column)  # before any model loads
+    # before any model loads
+    benchmarks = load_benchmarks(data, max_rows, question_column, answer_column, skip_malformed)
     out = writable_output_dir(out_dir)
     model_path = resolve_model(model)
     if model_path != model:
@@ -615,6 +628,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
             path = completions_path(out, bench.name, mode)
             done = read_completions(path, bench)
             todo = [i for i in range(len(bench)) if i not in done]
+            too_long = questions_too_long(bench, mode, tokenizer, settings)
+            say_questions_too_long(too_long, bench, mode, settings)
             timings, start = Timings(), time.perf_counter()
             with progress_bar(total=len(bench), initial=len(bench) - len(todo), unit="question",
                               desc=f"{bench.name} {MODE_TITLES[mode]}", enabled=progress) as bar:
@@ -631,7 +646,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
             cell = {**metrics([done[i] for i in range(len(bench))], settings.k), **seconds,
                     "generate_calls": previous.get("generate_calls", 0) + timings.generate_calls,
                     "programs_run": previous.get("programs_run", 0) + timings.programs,
-                    "resumed": len(bench) - len(todo), "data": bench.path, "completions": path.name}
+                    "resumed": len(bench) - len(todo), "too_long": too_long, "data": bench.path,
+                    "completions": path.name}
             results.update(bench.name, mode, cell)
     (out / REPORT).write_text(report_markdown(results.data))
     return results.data
@@ -691,10 +707,10 @@ def align_completions(path: str, bench: Benchmark, completion_column: str = "com
 
 def score_completions(path: str, data: str, completion_column: str = "completion", key: str | None = None,
                       mode: str = "cot", max_rows: int = 0, out_dir: str | None = None, question_column: str = "",
-                      answer_column: str = "") -> dict:
+                      answer_column: str = "", skip_malformed: bool = False) -> dict:
     """Grade the completions of a file against one data file without generating; returns the
     results (and writes results.json, report.md and the graded completions under out_dir)."""
-    bench = load_benchmark(data, max_rows, question_column, answer_column)
+    bench = load_benchmark(data, max_rows, question_column, answer_column, skip_malformed)
     pairs = align_completions(path, bench, completion_column, key, max_rows)
     start = time.perf_counter()
     answers = [extract_answer(c) for _, c in pairs]
@@ -752,6 +768,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
     p.add_argument("--question-column", default="", help="column holding the question (default: recognised)")
     p.add_argument("--answer-column", default="", help="column holding the reference (default: recognised)")
+    p.add_argument("--skip-malformed-lines", action="store_true",
+                   help="leave out (and count) rows that cannot be read, or whose reference answer cannot, instead "
+                        "of stopping; the results cover the rows read")
     p.add_argument("--compare", nargs=2, metavar=("DIR_BEFORE", "DIR_AFTER"),
                    help="print and write (DIR_AFTER/compare.md, or --output-dir) the before/after table")
     p.add_argument("--completions", metavar="FILE", help="score this file's completions against --data instead of "
@@ -804,7 +823,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(modes) != 1:
                 raise EvalError("--completions scores one mode; --mode names it (cot or tir)")
             results = score_completions(args.completions, args.data[0], args.completion_column, args.key, modes[0],
-                                        args.max_rows, args.output_dir, args.question_column, args.answer_column)
+                                        args.max_rows, args.output_dir, args.question_column, args.answer_column,
+                                        args.skip_malformed_lines)
             print(report_markdown(results))
             if args.output_dir:
                 print(f"wrote {Path(args.output_dir) / RESULTS}")
@@ -820,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         results = run_evaluation(args.model, args.data, args.output_dir, _modes(args.mode), settings, args.engine,
                                  args.max_rows, args.device, args.dtype, args.kv_cache_gb, args.question_column,
-                                 args.answer_column, progress=not args.quiet)
+                                 args.answer_column, progress=not args.quiet,
+                                 skip_malformed=args.skip_malformed_lines)
         print(report_markdown(results))
         print(f"wrote {Path(args.output_dir) / RESULTS}, {REPORT} and the completions files")
         return 0
