@@ -509,10 +509,10 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
+    examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
+                                     config.seed, rm.max_pairs_per_prompt) if data else None  # before the run starts
     with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config)
-        examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
-                                         config.seed, rm.max_pairs_per_prompt) if data else None
         policy, tokenizer = load_policy(config)
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer) if not data else []
