@@ -88,6 +88,7 @@ def test_a_run_directory_as_the_model_points_at_its_checkpoints(tmp_path):
                     "of its checkpoints, e.g. --model.name_or_path=runs/x/checkpoints/step-12 (the latest) or "
                     "runs/x/checkpoints/sft (its pi_SFT)")
     assert "sentencepiece" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # refused before the run started
 
 
 def test_a_run_directory_without_checkpoints_says_so(tmp_path):

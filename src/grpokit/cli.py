@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging
 
-    from grpokit.models.loading import check_devices
+    from grpokit.models.loading import check_model_config
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
     argv = join_override_values(argv)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
         config = load_config(files, overrides)  # fails here, before any model loads
-        check_devices(config)
+        check_model_config(config)
         if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", user_files,
                                                                                              overrides):
             config.grpo.beta = REWARD_MODEL_BETA

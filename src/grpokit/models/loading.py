@@ -51,11 +51,13 @@ def _missing_device(dev: torch.device) -> str:
     return ""
 
 
-def check_devices(config) -> None:
-    """The devices a config names exist on this machine: checked before any model loads."""
+def check_model_config(config) -> None:
+    """The devices a config names exist on this machine, and model.name_or_path is no directory that
+    cannot load: checked before the run starts or any model loads."""
     resolve_device(config.model.device, "model.device")
     if config.reward_model.kind != "none":
         resolve_device(config.reward_model.device, "reward_model.device")
+    check_model_directory(config.model.name_or_path)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -82,8 +84,8 @@ def check_model_directory(name_or_path: str) -> None:
     grpokit run directory (its checkpoints are models) or some other directory. A LoRA adapter
     directory passes: load_model_and_tokenizer loads it with its base."""
     path = Path(name_or_path)
-    if not path.is_dir() or (path / "config.json").is_file() or is_lora_adapter(path):
-        return
+    if not name_or_path or not path.is_dir() or (path / "config.json").is_file() or is_lora_adapter(path):
+        return  # empty: the built-in tiny model
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
         raise ModelNotFound(f"model.name_or_path {name_or_path!r} is a grpokit run directory, not a model: "
                             f"{_checkpoints_hint(path)}")
