@@ -39,11 +39,54 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["--model.tiny.alphabet=arithmetic"], "num_sft_tir_examples > 0 writes python programs.*arithmetic-tir"),
         (["--eval.max_tool_calls=0"], "eval.max_tool_calls must be >= 1"),
         (["--reward_model.hard_negatives=-1"], "reward_model.hard_negatives must be >= 0"),
+        (["--grpo.learning_rate=-1"], r"grpo.learning_rate must be > 0, got -1 \(the default is 3e-05\)"),
+        (["--sft.learning_rate=0"], "sft.learning_rate must be > 0, got 0"),
+        (["--ppo.critic_learning_rate=-1e-4"], "ppo.critic_learning_rate must be > 0"),
+        (["--reward_model.learning_rate=0"], "reward_model.learning_rate must be > 0"),
+        (["--grpo.max_grad_norm=0"], "grpo.max_grad_norm must be > 0"),
+        (["--eval.temperature=0"], "eval.temperature must be > 0"),
+        (["--sft.max_steps=0"], r"sft.max_steps must be >= 1, got 0 \(the default is 1500\)"),
+        (["--sft.batch_size=0"], "sft.batch_size must be >= 1"),
+        (["--eval.batch_size=0"], "eval.batch_size must be >= 1"),
+        (["--grpo.warmup_steps=-1"], "grpo.warmup_steps must be >= 0"),
+        (["--grpo.weight_decay=-0.1"], "grpo.weight_decay must be >= 0"),
+        (["--rewards=[{name: math_acuracy}]"], r"rewards\[0\]: unknown reward function 'math_acuracy' \(did you mean "
+                                               r"'math_accuracy'\?\); the built-in ones are chain_accuracy, format, "),
+        (["--rewards=[{name: format, args: {x: 1}}]"], "reward 'format' scores completions itself and takes no args"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_zero_stays_valid_where_it_means_none():
+    c = load_config(overrides=["--grpo.warmup_steps=0", "--sft.weight_decay=0", "--grpo.beta=0", "--save_steps=0",
+                               "--reward_model.warmup_steps=0"])
+    assert c.grpo.warmup_steps == 0 and c.sft.weight_decay == 0 and c.grpo.beta == 0 and c.grpo.save_steps == 0
+
+
+def test_a_bad_value_names_the_override_that_set_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("grpo:\n  beta: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^grpo.beta: expected a number, got str 'x' \(from the command-line "
+                                          r"override --beta=x\)$"):
+        load_config(path, ["--beta=x"])
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight: expected a number.*\(from the command-line "
+                                          r"override --rewards=\[\{name: format, weight: w\}\]\)$"):
+        load_config(path, ["--rewards=[{name: format, weight: w}]"])
+    path.write_text("grpo:\n  beta: x\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: grpo.beta: expected a number"):
+        load_config(path, ["--seed=1"])
+
+
+def test_one_name_where_a_list_of_names_goes_is_a_list_of_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stages: sft\nmodel:\n  lora:\n    target_modules: all-linear\n")
+    c = load_config(path)
+    assert c.stages == ["sft"] and c.model.lora.target_modules == ["all-linear"]
+    with pytest.raises(ConfigError, match="data.sources"):  # a list of sections is not a list of names
+        load_config(overrides=["--data.sources=file.jsonl"])
 
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):

@@ -12,7 +12,6 @@ import yaml
 
 from grpokit.config import Config, ConfigError, describe, load_config, resolve_key
 
-EPILOG = "config keys (YAML or --key=value; a bare leaf name works when unique):\n" + describe(Config)
 DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
 # A learned reward is easier to exploit than a verifier: where the reward model cannot check the
 # arithmetic (it learns that worked solutions tend to be right, not which ones are), a firmer
@@ -40,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                                 "Table 5); see grpokit eval --help", add_help=False).add_argument(
         "eval_args", nargs=argparse.REMAINDER)
     for name, text in COMMANDS.items():
-        p = sub.add_parser(name, help=text, description=text, epilog=EPILOG,
+        p = sub.add_parser(name, help=text, description=text, epilog=config_keys_help(name == "demo"),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("config", nargs="?", help="YAML config" + (" laid over the demo preset" if name == "demo" else ""))
         p.add_argument("--output-dir", "--output_dir", dest="output_dir",
@@ -70,6 +69,16 @@ def _parser() -> argparse.ArgumentParser:
                          "graded samples; with --process, (prompt, completion|steps, labels). Default: the "
                          "policy's own samples on the task, graded by rule")
     return parser
+
+
+def config_keys_help(demo: bool) -> str:
+    """The epilog listing every config key; for `demo`, with the preset's values as the defaults."""
+    from grpokit.rewards.registry import reward_names
+
+    defaults = load_config([str(DEMO_PRESET)]) if demo else None
+    notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')"}
+    return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
+            + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 
 
 def own_options(parser: argparse.ArgumentParser) -> set[str]:
@@ -133,11 +142,13 @@ def bench(argv: list[str]) -> int:
         from grpokit.bench.memory import main as memory_main
 
         return memory_main(argv[1:])
+    asked = argv[:1] in (["-h"], ["--help"])
     print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
           "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic\n"
-          "       grpokit bench memory --measure [...]        peak memory per process, full vs LoRA, 1 vs 2",
-          file=sys.stderr)
-    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+          "       grpokit bench memory --measure [...]        peak memory per process, full vs LoRA, 1 vs 2\n"
+          "grpokit bench cost --help, grpokit bench memory --help: their options",
+          file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if argv[:1] == ["bench"]:
-        return bench(parser.parse_args(argv).bench_args)
+        return bench(argv[1:])  # its own usage, --help included
     if argv[:1] == ["eval"]:
         from grpokit.eval.benchmark import main as eval_main
 
         return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging
+
+    from grpokit.models.loading import check_model_config
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
     argv = join_override_values(argv)
@@ -170,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
         config = load_config(files, overrides)  # fails here, before any model loads
+        check_model_config(config)
         choose_run_dir(args, config)
         if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", user_files,
                                                                                              overrides):

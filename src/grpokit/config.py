@@ -25,6 +25,8 @@ from grpokit.loggers import TrackerError, check_trackers
 class ConfigError(ValueError):
     """A config file or override that names an unknown key or holds a wrong value."""
 
+    key = ""  # the dotted key a type error is about, when known (load_config names where it was set)
+
 
 def opt(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
@@ -210,10 +212,13 @@ class PPOConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = opt("chain_accuracy", "built-in reward name or 'package.module:function'")
+    name: str = opt("chain_accuracy", "built-in reward name or 'package.module:function' (the working directory "
+                                      "is searched too)")
     weight: float = opt(1.0, "weight of this reward in the sum")
     timeout_s: Optional[float] = opt(60.0, "seconds a call may take before its samples are masked and counted "
                                            "in rewards/timeouts; null = no limit")
+    args: dict[str, Any] = opt({}, "keyword arguments of a reward that is made from settings, e.g. overlong_penalty: "
+                                   "{max_length: 1024, soft_cache: 256}")
 
 
 @dataclass
@@ -371,12 +376,15 @@ def from_dict(cls, data: dict):
     try:
         return pydantic.TypeAdapter(cls).validate_python(_yaml_switches(cls, data))
     except pydantic.ValidationError as err:
-        raise _config_error(err, cls) from None
+        error = _config_error(err, cls)
+        error.key = _dotted(err.errors(include_url=False)[0]["loc"])
+        raise error from None
 
 
 def _yaml_switches(cls, data):
     """`data` with the booleans YAML makes of on/off (and yes/no) turned back into "on"/"off" where
-    the key takes those words: `distributed.fsdp: on` and `--distributed.fsdp=on` mean "on"."""
+    the key takes those words: `distributed.fsdp: on` and `--distributed.fsdp=on` mean "on". A
+    single name where a list of names goes is that list: `report_to: tensorboard` = [tensorboard]."""
     if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
         return data
     hints = typing.get_type_hints(cls)
@@ -385,10 +393,18 @@ def _yaml_switches(cls, data):
         tp = hints.get(key)
         if isinstance(value, bool) and typing.get_origin(tp) is Literal and {"on", "off"} <= set(typing.get_args(tp)):
             value = "on" if value else "off"
+        elif isinstance(value, str) and value and _is_list_of_names(tp):
+            value = [value]
         elif dataclasses.is_dataclass(tp):
             value = _yaml_switches(tp, value)
         out[key] = value
     return out
+
+
+def _is_list_of_names(tp) -> bool:
+    """list[str] or list[Literal[...]]: a list whose items are plain words."""
+    item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+    return item is str or typing.get_origin(item) is Literal
 
 
 def _leaf_paths(cls, prefix: str = "") -> dict[str, tuple]:
@@ -458,9 +474,23 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
     try:
         config = from_dict(cls, data)
     except ConfigError as err:
-        raise ConfigError(f"{paths[-1]}: {err}" if paths else str(err)) from None
+        raise ConfigError(_with_source(err, paths, overrides or [], cls)) from None
     validate(config)
     return config
+
+
+def _with_source(err: ConfigError, paths: list, overrides: list[str], cls) -> str:
+    """The error with where the bad value came from: the command-line override that set its key
+    (the last one wins, as in apply_overrides), else the YAML file."""
+    key = err.key
+    for item in reversed(overrides):
+        try:
+            dotted = resolve_key(item.removeprefix("--").split("=", 1)[0].strip(), cls)
+        except ConfigError:
+            continue
+        if key == dotted or key.startswith((dotted + ".", dotted + "[")):
+            return f"{err} (from the command-line override {item})"
+    return f"{paths[-1]}: {err}" if paths else str(err)
 
 
 def _merge(base: dict, layer: dict) -> dict:
@@ -470,10 +500,38 @@ def _merge(base: dict, layer: dict) -> dict:
     return out
 
 
+# Values that only make sense above 0 (a rate, a clipping norm, a sampling temperature) ...
+POSITIVE_KEYS = ("sft.learning_rate", "grpo.learning_rate", "ppo.critic_learning_rate", "reward_model.learning_rate",
+                 "sft.max_grad_norm", "grpo.max_grad_norm", "eval.temperature", "reward_model.sample_temperature")
+# ... counts of steps, rows or samples, where 0 would mean nothing runs ...
+COUNT_KEYS = ("sft.max_steps", "sft.batch_size", "grpo.generation_batch_size", "eval.batch_size",
+              "reward_model.batch_size", "reward_model.train_batch_size", "reward_model.max_steps",
+              "reward_model.num_questions", "reward_model.samples_per_question", "reward_model.max_pairs_per_prompt")
+# ... and values where 0 is meaningful (no warm-up, no decay) but a negative one is not.
+NON_NEGATIVE_KEYS = ("sft.warmup_steps", "grpo.warmup_steps", "reward_model.warmup_steps", "sft.weight_decay",
+                     "grpo.weight_decay")
+
+
+def _value(config, key: str):
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _bound_checks(config: Config) -> list[tuple[bool, str]]:
+    """(ok, message) for every key of POSITIVE_KEYS, COUNT_KEYS and NON_NEGATIVE_KEYS."""
+    bounds = [(POSITIVE_KEYS, "> 0", lambda v: v > 0), (COUNT_KEYS, ">= 1", lambda v: v >= 1),
+              (NON_NEGATIVE_KEYS, ">= 0", lambda v: v >= 0)]
+    defaults = Config()
+    return [(test(_value(config, key)), f"{key} must be {bound}, got {_value(config, key):g} (the default is "
+                                        f"{_value(defaults, key):g})")
+            for keys, bound, test in bounds for key in keys]
+
+
 def validate(config: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     g = config.grpo
-    checks = [
+    checks = [*_bound_checks(config),
         (g.num_generations >= 2, f"grpo.num_generations must be >= 2 to form a group, got {g.num_generations}"),
         (g.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {g.prompts_per_step}"),
         (g.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {g.num_iterations}"),
@@ -553,6 +611,19 @@ def validate(config: Config) -> None:
         check_trackers(config.report_to)  # a missing tracker package, before any model loads
     except TrackerError as err:
         raise ConfigError(str(err)) from None
+    _check_rewards(config)
+
+
+def _check_rewards(config: Config) -> None:
+    """Every reward names a function that exists and can be made, before any model loads (a typo
+    would otherwise surface only after the policy has loaded, minutes in for a 7B model)."""
+    from grpokit.rewards.registry import reward_function
+
+    for i, reward in enumerate(config.rewards):
+        try:
+            reward_function(reward.name, reward.args)
+        except ValueError as err:
+            raise ConfigError(f"rewards[{i}]: {err}") from None
 
 
 def check_world_size(config: Config, world_size: int) -> None:
@@ -588,15 +659,18 @@ def save_config(config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
-def describe(cls=Config) -> str:
-    """Every key with its type, default and one-line doc, for --help."""
+def describe(cls=Config, defaults=None, notes: dict[str, str] | None = None) -> str:
+    """Every key with its type, default and one-line doc, for --help. `defaults`: a config whose
+    values to show as the defaults (a preset's) instead of the dataclasses' own; `notes`: text to
+    add to a dotted key's doc (what only the caller knows, e.g. the registered reward names)."""
     lines = []
-    defaults = to_dict(cls())
+    defaults = to_dict(cls() if defaults is None else defaults)
     for key, (f, tp) in _leaf_paths(cls).items():
         node = defaults
         for part in key.split("."):
             node = node[part]
-        lines.append(f"  --{key}={node!r}  [{_type_name(tp)}]\n      {f.metadata.get('help', '')}")
+        doc = " ".join(filter(None, [f.metadata.get("help", ""), (notes or {}).get(key, "")]))
+        lines.append(f"  --{key}={node!r}  [{_type_name(tp)}]\n      {doc}")
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if item is not None and dataclasses.is_dataclass(item):  # document each item's keys too
             for sub in dataclasses.fields(item):

@@ -15,8 +15,9 @@ from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device
 from grpokit.models.precision import resolve_precision, set_compute_dtype
-from grpokit.rewards import WeightedReward, get_reward_function
+from grpokit.rewards import WeightedReward
 from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
+from grpokit.rewards.registry import reward_function
 from grpokit.rewards.scoring import row_columns, score_completions
 from grpokit.rollout import make_engine
 from grpokit.tasks import Task
@@ -35,8 +36,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_rewards(config: Config) -> list[WeightedReward]:
-    return [WeightedReward(r.name, get_reward_function(r.name), r.weight, r.timeout_s) for r in config.rewards]
+def build_rewards(config: Config, tokenizer=None) -> list[WeightedReward]:
+    """The configured rewards; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
+    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
+            for r in config.rewards]
 
 
 def load_policy(config: Config, path: str | None = None, trainable: bool = True):
@@ -78,7 +81,7 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
                  ref_model=None, reward_scorer=None, engine=None):
     """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline. An
     outcome `reward_scorer` joins the rewards by weight; a process one gives process supervision."""
-    rewards = build_rewards(config)
+    rewards = build_rewards(config, tokenizer)
     process = None
     if reward_scorer is not None and reward_scorer.kind == "outcome":
         rewards.append(WeightedReward("reward_model", reward_scorer, config.reward_model.weight, None))
@@ -93,12 +96,12 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
     return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)
 
 
-def verifier(config: Config, task: Task):
+def verifier(config: Config, task: Task, tokenizer=None):
     """grade(rows, completions) -> [bool]: the rule that labels reward-model data. The configured
     rule-based rewards when there are any (correct = weighted sum > 0.5), else the task's own rule."""
     if not config.rewards:
         return task.grade
-    rewards = build_rewards(config)
+    rewards = build_rewards(config, tokenizer)
 
     def grade(rows: list[dict], completions: list[str]) -> list[bool]:
         result = score_completions(rewards, [r["prompt"] for r in rows], completions, row_columns(rows))
@@ -127,6 +130,6 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
         model = new_reward_model(policy, tokenizer, rm.kind).to(resolve_device(rm.device))
         scorer = new_scorer(model, tokenizer, rm.kind, rm)
     shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
-    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task), task.step_labeller,
+    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
                             config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
                             hard_negative=task.hard_negative)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpokit.checkpoint import CheckpointError, CheckpointManager
-from grpokit.config import DataSource
+from grpokit.config import Config, DataSource, EvalConfig, ModelConfig, RolloutConfig
 from grpokit.data.files import DatasetError, Fixes, read_file_records
 from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer, say_skipped
 from grpokit.eval.evaluate import majority_answer, pass_at_k
@@ -56,6 +56,9 @@ RESUME_KEYS = ("model_path", "prompt_format", "max_new_tokens", "max_tool_calls"
 # A bad row's fixes, in grpokit eval's flags.
 EVAL_FIXES = Fixes(skip="pass --skip-malformed-lines to skip and count such rows",
                    columns="name the columns with --question-column and --answer-column")
+# Options that are also config keys take the config's defaults, so `grpokit eval` and a training
+# run's evaluation cannot drift apart.
+EVAL, ROLLOUT, MODEL = EvalConfig(), RolloutConfig(), ModelConfig()
 
 
 class EvalError(ValueError):
@@ -186,11 +189,13 @@ def grade(answers: Sequence[str | None], references: Sequence[str]) -> list[bool
 def resolve_model(model: str) -> str:
     """A model directory as given; for a run directory, its newest intact checkpoint
     (checkpoints/latest, else the highest step-N; checkpoints/sft for an SFT-only run).
-    Anything else is passed on as a hub id."""
+    Anything else is passed on as a hub id. A LoRA adapter directory loads with its base."""
+    from grpokit.models.loading import is_lora_adapter
+
     path = Path(model)
     if not path.is_dir():
         return model
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or is_lora_adapter(path):
         return str(path)
     checkpoints = path / "checkpoints"
     latest = CheckpointManager(checkpoints).latest() if checkpoints.is_dir() else None
@@ -227,12 +232,12 @@ def render_prompt(question: str, mode: str, tokenizer) -> str:
 @dataclass
 class EvalSettings:
     max_new_tokens: int = 1024
-    max_tool_calls: int = 4
+    max_tool_calls: int = EVAL.max_tool_calls
     k: int = 0
-    temperature: float = 0.7
+    temperature: float = EVAL.temperature
     seed: int = 0
     batch_size: int = 64
-    tool_timeout: float = 10.0
+    tool_timeout: float = EVAL.tool_timeout_s
     max_model_len: int = 4096
 
 
@@ -737,9 +742,21 @@ def score_completions(path: str, data: str, completion_column: str = "completion
     return results
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, unless it has none worth showing (None, "", False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default in ("", []) or default is argparse.SUPPRESS \
+                or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="grpokit eval", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="grpokit eval", formatter_class=DefaultsHelpFormatter,
         description="Accuracy on math benchmarks with chain-of-thought (cot) and tool-integrated (tir) prompts, "
                     "as in DeepSeekMath's Table 5.",
         epilog="Completions files for scoring: JSONL/JSON/Parquet records with a completion column. Records with a "
@@ -748,24 +765,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="a model directory, a hub id, or a run directory (its newest checkpoint)")
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="FILE",
                    help="JSONL/JSON/Parquet in GSM8K, MATH or plain (question, answer) form; NAME=FILE names it")
-    p.add_argument("--mode", default="cot,tir", help="cot, tir or cot,tir (default)")
+    p.add_argument("--mode", default="cot,tir", help="cot, tir or both (cot,tir)")
     p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="where results, report and completions go")
     p.add_argument("--max-rows", type=int, default=0, help="first N questions of each file; 0 = all")
     p.add_argument("--k", type=int, default=0, help="also draw K samples per question for maj@K and pass@K")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the --k samples")
-    p.add_argument("--rollout.engine", "--engine", dest="engine", choices=["hf", "vllm"], default="hf",
+    p.add_argument("--temperature", type=float, default=EVAL.temperature,
+                   help="sampling temperature of the --k samples (default: %(default)s, as eval.temperature)")
+    p.add_argument("--rollout.engine", "--engine", dest="engine", choices=["hf", "vllm"], default=ROLLOUT.engine,
                    help="hf: transformers' generate; vllm: a vLLM engine")
-    p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float, default=1.0,
-                   help="vllm: GiB for its KV cache")
+    p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float,
+                   default=ROLLOUT.kv_cache_gb, help="vllm: GiB for its KV cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per generation (per TIR round)")
-    p.add_argument("--max-tool-calls", type=int, default=4, help="TIR: rounds of generation, each may run a program")
-    p.add_argument("--tool-timeout", type=float, default=10.0, help="TIR: seconds a program may run")
-    p.add_argument("--max-model-len", type=int, default=0,
+    p.add_argument("--max-tool-calls", type=int, default=EVAL.max_tool_calls,
+                   help="TIR: rounds of generation, each may run a program (default: %(default)s, as "
+                        "eval.max_tool_calls)")
+    p.add_argument("--tool-timeout", type=float, default=EVAL.tool_timeout_s,
+                   help="TIR: seconds a program may run (default: %(default)s, as eval.tool_timeout_s)")
+    p.add_argument("--max-model-len", type=int, default=ROLLOUT.max_model_len,
                    help="longest context in tokens; 0 = the model's max_position_embeddings")
     p.add_argument("--batch-size", type=int, default=64, help="questions per batch (and per resumable write)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the --k samples")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
+    p.add_argument("--seed", type=int, default=Config.seed, help="seed of the --k samples")
+    p.add_argument("--device", default=MODEL.device, help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=MODEL.dtype, help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
     p.add_argument("--question-column", default="", help="column holding the question (default: recognised)")
     p.add_argument("--answer-column", default="", help="column holding the reference (default: recognised)")
     p.add_argument("--skip-malformed-lines", action="store_true",
@@ -791,6 +812,8 @@ def _modes(text: str) -> list[str]:
 
 
 def _check_numbers(args) -> None:
+    from grpokit.models.loading import resolve_device
+
     for name in ("max_new_tokens", "max_tool_calls", "batch_size"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -801,10 +824,11 @@ def _check_numbers(args) -> None:
         raise EvalError(f"--k samples need --temperature > 0, got {args.temperature}")
     if args.tool_timeout <= 0:
         raise EvalError(f"--tool-timeout must be positive, got {args.tool_timeout}")
+    resolve_device(args.device, "--device")  # before the data is read or the model loads
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpokit.models.loading import ModelNotFound
+    from grpokit.models.loading import DeviceUnavailable, ModelNotFound
 
     args = _parser().parse_args(argv)
     try:
@@ -845,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report_markdown(results))
         print(f"wrote {Path(args.output_dir) / RESULTS}, {REPORT} and the completions files")
         return 0
-    except (DatasetError, EvalError, CheckpointError, ModelNotFound) as err:
+    except (DatasetError, EvalError, CheckpointError, ModelNotFound, DeviceUnavailable) as err:
         print(f"grpokit: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+from grpokit.config import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -14,12 +19,45 @@ class ModelNotFound(ValueError):
     """model.name_or_path is neither a local model directory nor a hub id that loads here."""
 
 
-def resolve_device(device: str) -> torch.device:
+class DeviceUnavailable(ConfigError):
+    """A configured device this machine does not have."""
+
+
+def resolve_device(device: str, key: str = "model.device") -> torch.device:
+    """`device` as a torch.device (auto: CUDA when there is one, else the CPU). A device this machine
+    lacks is a DeviceUnavailable naming the config `key` and what to use instead."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"model.device={device!r} but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise DeviceUnavailable(f"{key}={device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    missing = _missing_device(dev)
+    if missing:
+        raise DeviceUnavailable(f"{key}={device!r} but {missing}")
+    return dev
+
+
+def _missing_device(dev: torch.device) -> str:
+    """Why this machine cannot run on `dev`, and the fix; empty when it can."""
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return "no CUDA device is visible (torch.cuda.is_available() is False): use cpu or auto"
+        if dev.index is not None and dev.index >= count:
+            return f"only {count} CUDA device(s) are visible: use one of cuda:0 to cuda:{count - 1}, cuda or auto"
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS (Apple's GPU backend) is not available on this machine: use cpu or auto"
+    return ""
+
+
+def check_model_config(config) -> None:
+    """The devices a config names exist on this machine, and model.name_or_path is no directory that
+    cannot load: checked before the run starts or any model loads."""
+    resolve_device(config.model.device, "model.device")
+    if config.reward_model.kind != "none":
+        resolve_device(config.reward_model.device, "reward_model.device")
+    check_model_directory(config.model.name_or_path)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -28,6 +66,81 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+# How to make a LoRA adapter loadable when its base model is not at hand.
+ADAPTER_FIX = ("train with model.lora.save_merged=true to get a merged/ model, or set adapter_config.json's "
+               "base_model_name_or_path to the model the adapter was trained on")
+
+
+def is_lora_adapter(path: str | Path) -> bool:
+    """A PEFT adapter directory (adapter_config.json) that is not also a full model (no config.json)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file() and not (Path(path) / "config.json").is_file()
+
+
+def check_model_directory(name_or_path: str) -> None:
+    """A local directory that holds no model (no config.json) is refused with what it is instead: a
+    grpokit run directory (its checkpoints are models) or some other directory. A LoRA adapter
+    directory passes: load_model_and_tokenizer loads it with its base."""
+    path = Path(name_or_path)
+    if not name_or_path or not path.is_dir() or (path / "config.json").is_file() or is_lora_adapter(path):
+        return  # empty: the built-in tiny model
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        raise ModelNotFound(f"model.name_or_path {name_or_path!r} is a grpokit run directory, not a model: "
+                            f"{_checkpoints_hint(path)}")
+    raise ModelNotFound(f"model.name_or_path {name_or_path!r} is a directory without config.json, so not a "
+                        "Hugging Face model: point it at a model directory (config.json + weights) or a hub id")
+
+
+def _checkpoints_hint(run_dir: Path) -> str:
+    """Which of a run directory's checkpoints to pass instead (by name only: nothing is verified here)."""
+    from grpokit.checkpoint import LATEST, CheckpointManager
+
+    checkpoints = run_dir / "checkpoints"
+    pointer = checkpoints / LATEST
+    steps = CheckpointManager(checkpoints).step_dirs()
+    latest = checkpoints / pointer.read_text().strip() if pointer.is_file() else (steps[0] if steps else None)
+    choices = [f"{latest} (the latest)"] if latest else []
+    if (checkpoints / "sft" / "config.json").is_file():
+        choices.append(f"{checkpoints / 'sft'} (its pi_SFT)")
+    if not choices:
+        return f"it holds no checkpoint yet ({checkpoints} is empty or missing); pass a model directory or a hub id"
+    return f"pass one of its checkpoints, e.g. --model.name_or_path={' or '.join(choices)}"
+
+
+def _load_adapter(adapter_dir: str, load) -> tuple:
+    """(model, tokenizer) of a LoRA adapter directory: its merged/ model when the run saved one, else
+    its base model (adapter_config.json's base_model_name_or_path) with the adapter merged in. `load`
+    loads a plain model directory or hub id."""
+    path = Path(adapter_dir)
+    if (path / "merged" / "config.json").is_file():
+        print(f"grpokit: {adapter_dir} is a LoRA adapter; loading its merged model {path / 'merged'}", file=sys.stderr)
+        return load(str(path / "merged"))
+    base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ModelNotFound(f"{adapter_dir} is a LoRA adapter whose adapter_config.json names no base model: "
+                            f"{ADAPTER_FIX}")
+    try:
+        model, tokenizer = load(base)
+    except ModelNotFound:
+        raise ModelNotFound(f"{adapter_dir} is a LoRA adapter on the base model {base!r} (adapter_config.json's "
+                            "base_model_name_or_path), which does not load from here (a relative path counts from "
+                            f"the working directory): {ADAPTER_FIX}") from None
+    print(f"grpokit: {adapter_dir} is a LoRA adapter; loading its base model {base} with the adapter merged in",
+          file=sys.stderr)
+    return _merge_adapter(model, adapter_dir), tokenizer
+
+
+def _merge_adapter(model: torch.nn.Module, adapter_dir: str) -> torch.nn.Module:
+    """`model` with the LoRA adapter of `adapter_dir` merged into its weights (W + (alpha / r) B A)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelNotFound(f"{adapter_dir} is a LoRA adapter, which needs peft to load: pip install "
+                            "'grpokit[peft]'") from None
+    model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    return model.requires_grad_(True)  # PEFT froze the base; a loaded model trains like any other
 
 
 def load_model_and_tokenizer(
@@ -54,6 +167,10 @@ def load_model_and_tokenizer(
     from grpokit.models.precision import resolve_precision, set_compute_dtype
 
     dev = resolve_device(device)
+    check_model_directory(name_or_path)
+    if is_lora_adapter(name_or_path):
+        return _load_adapter(name_or_path, lambda path: load_model_and_tokenizer(
+            path, dtype, device, attn_implementation, trust_remote_code, master_dtype))
     precision = resolve_precision(dtype, master_dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

@@ -5,7 +5,8 @@
 math_accuracy   1.0 when the completion's final answer equals the `answer` column's reference
                 (checked with math-verify: 0.5 = \\frac{1}{2}, "1,000" = 1000, "$18" = 18), else 0.0
 format_reward   1.0 when the completion states a final answer exactly once, else 0.0
-overlong_penalty(max_length, soft_cache)   DAPO's soft length penalty, in characters or tokens
+overlong_penalty(max_length, soft_cache)   DAPO's soft length penalty, in characters or tokens (a reward
+                factory: a config gives it `args`)
 
 Equivalence checks run in worker processes (see verify_pool) so that no input can hang or
 crash the caller, whatever thread it calls from. A check that runs out of time scores 0.0 and
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpokit.rewards.answers import answer_count, clean_answer, final_answers
+from grpokit.rewards.registry import reward_factory
 from grpokit.rewards.verify_pool import VerifierPool
 
 # A final answer longer than this is not an answer; it is never sent to math-verify.
@@ -118,12 +120,16 @@ def format_reward(prompts: list[str], completions: list[str], **_) -> list[float
     return [1.0 if answer_count(c) == 1 else 0.0 for c in completions]
 
 
+@reward_factory("{max_length: 1024, soft_cache: 256}")
 def overlong_penalty(max_length: int, soft_cache: int, tokenizer=None) -> Callable[..., list[float]]:
     """DAPO's soft overlong penalty as a reward function.
 
     Length is in characters, or in tokens when a tokenizer (anything with
     `encode(text, add_special_tokens=False)`) is given. Up to max_length - soft_cache: 0.0;
     then falling linearly to -1.0 at max_length; beyond it: -1.0.
+
+    In a config: `rewards: [{name: overlong_penalty, args: {max_length: 1024, soft_cache: 256}}]`;
+    a run counts the length in the policy's tokens.
     """
     if not 0 <= soft_cache <= max_length:
         raise ValueError(f"need 0 <= soft_cache <= max_length, got {soft_cache}, {max_length}")

@@ -1,8 +1,15 @@
-"""Reward functions by name: built-ins, or any `package.module:function` a config names."""
+"""Reward functions by name: built-ins, or any `package.module:function` a config names. Modules
+are found on sys.path and in the working directory, so a reward file next to the config works
+without PYTHONPATH. A reward factory (overlong_penalty) makes the reward function from the
+config entry's `args`."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+import os
+import sys
 from collections.abc import Callable
 
 RewardFunction = Callable[..., list]
@@ -20,6 +27,17 @@ def register_reward(name: str):
     return wrap
 
 
+def reward_factory(example_args: str):
+    """Decorator: `fn(**args)` makes a reward function (it is not one itself); `example_args`
+    shows a config's `args` for it, for error messages."""
+
+    def wrap(fn):
+        fn.example_args = example_args
+        return fn
+
+    return wrap
+
+
 def _builtins() -> None:
     from grpokit.data import arithmetic
     from grpokit.rewards import math_rewards
@@ -27,6 +45,13 @@ def _builtins() -> None:
     _REGISTRY.setdefault("chain_accuracy", arithmetic.chain_accuracy)
     _REGISTRY.setdefault("math_accuracy", math_rewards.math_accuracy)
     _REGISTRY.setdefault("format", math_rewards.format_reward)
+    _REGISTRY.setdefault("overlong_penalty", math_rewards.overlong_penalty)
+
+
+def reward_names() -> list[str]:
+    """The names a config may use without an import path."""
+    _builtins()
+    return sorted(_REGISTRY)
 
 
 def get_reward_function(name: str) -> RewardFunction:
@@ -35,15 +60,66 @@ def get_reward_function(name: str) -> RewardFunction:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" not in name:
-        raise ValueError(
-            f"unknown reward function {name!r}; use one of {sorted(_REGISTRY)} or an import path 'package.module:function'"
-        )
+        raise ValueError(_unknown_name(name))
     module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward function {name!r}: cannot import module {module_name!r} ({err})") from err
+    module = _import(module_name, name)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def _unknown_name(name: str) -> str:
+    if "." in name:  # an import path written without its colon
+        module, _, attr = name.rpartition(".")
+        hint = f" (an import path puts a colon before the function: '{module}:{attr}')"
+    else:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown reward function {name!r}{hint}; the built-in ones are {', '.join(sorted(_REGISTRY))}, "
+            "or name your own as 'package.module:function'")
+
+
+def _import(module_name: str, name: str):
+    """`module_name`, from sys.path or else the working directory (last, so it shadows nothing)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward function {name!r}: cannot import module {module_name!r} ({err}); looked in "
+                         f"the working directory {os.getcwd()} and on PYTHONPATH") from None
+    except Exception as err:  # the module itself is broken: say how, without a traceback
+        raise ValueError(f"reward function {name!r}: importing module {module_name!r} failed with "
+                         f"{type(err).__name__}: {err}") from None
+
+
+def reward_function(name: str, args: dict | None = None, tokenizer=None) -> RewardFunction:
+    """The reward function a config's rewards entry names: the function itself, or what a reward
+    factory makes from `args` (and the policy's `tokenizer`, when the factory takes one)."""
+    fn = get_reward_function(name)
+    example = getattr(fn, "example_args", None)
+    takes_completions = "completions" in _parameters(fn)
+    if not args and (example is None or takes_completions):
+        return fn
+    if takes_completions:
+        raise ValueError(f"reward {name!r} scores completions itself and takes no args: remove its args")
+    kwargs = dict(args or {})
+    if tokenizer is not None and "tokenizer" in _parameters(fn):
+        kwargs.setdefault("tokenizer", tokenizer)
+    usage = f"write {{name: {name}, args: {example or '{...}'}}}"
+    try:
+        made = fn(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"reward {name!r} is made from its args, and args {args or {}} do not make it ({err}): "
+                         f"{usage}") from None
+    if not callable(made):
+        raise ValueError(f"reward {name!r} with args {args} returned {type(made).__name__}, not a reward function")
+    return made
+
+
+def _parameters(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return set()

@@ -76,6 +76,26 @@ def zero_std_fraction(rewards: torch.Tensor, valid: torch.Tensor, group_size: in
     return float(((spread <= 0) | (valid.view(-1, group_size).sum(1) < 2)).float().mean())
 
 
+# Steps in a row with no reward spread in any group before the run warns. A step like that happens by
+# chance (a small batch of questions the policy always gets right); five in a row rarely does unless
+# the reward cannot vary, and five steps are seconds to minutes, early enough to stop a doomed run.
+NO_SIGNAL_STEPS = 5
+
+
+def no_signal_warning(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> str | None:
+    """The warning for a run whose last `steps` metrics rows all had reward/zero_std_frac = 1 (in
+    every group all completions got the same reward, so the reward gives nothing to learn from);
+    None otherwise."""
+    recent = history[-steps:]
+    if len(recent) < steps or not all(row.get("reward/zero_std_frac", 0.0) >= 1.0 for row in recent):
+        return None
+    still = " and grad_norm = 0" if all(row.get("grad_norm") == 0.0 for row in recent) else ""
+    return (f"grpokit: warning: reward/zero_std_frac = 1.0{still} in {steps} steps in a row (through step "
+            f"{recent[-1].get('step')}): in every group all completions got the same reward, so the reward gives "
+            "nothing to learn from. This usually means a reward that never varies, a model that is always right or "
+            "always wrong on these questions, or a broken verifier; rewards/<name> in metrics.jsonl shows which")
+
+
 # Metrics rows are means over processes, except these, which add up or take the maximum.
 SUMMED_METRICS = ("rewards/failed", "rewards/timeouts", "perf/tokens_per_s")
 MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s",
@@ -169,6 +189,7 @@ class Trainer:
         self._order: list[int] = []
         self._failed_streak = {r.name: 0 for r in rewards}
         self._nonfinite_streak = 0
+        self._warned_no_signal = False
         self.global_step = 0
         self.interrupted = False  # set when a signal stopped train() early
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
@@ -199,6 +220,7 @@ class Trainer:
                 record = {**(extra_metrics or {}), **self.step()}
                 history.append(record)
                 writer.write(record)
+                self._warn_if_no_signal(history)
                 self.logger.log(record, step=self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}")
@@ -215,6 +237,14 @@ class Trainer:
         if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
             self.save_checkpoint()
         return history
+
+    def _warn_if_no_signal(self, history: list[dict]) -> None:
+        """Say once per run when the reward has stopped varying (no_signal_warning); the run goes on."""
+        message = None if self._warned_no_signal else no_signal_warning(history)
+        if message:
+            self._warned_no_signal = True
+            if distributed.is_main():
+                print(message, file=sys.stderr)
 
     def step(self) -> dict:
         cfg, g = self.config, self.config.num_generations
