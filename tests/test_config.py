@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from grpokit.config import Config, ConfigError, describe, load_config, save_config
+from grpokit.config import Config, ConfigError, describe, load_config, save_config, to_dict
 
 
 def test_defaults_and_overrides():
@@ -130,3 +130,16 @@ def test_cli_reports_config_errors_before_loading_any_model():
     assert "unknown config key 'grpo.betaa'" in proc.stderr
     assert "parameters" not in proc.stdout  # nothing was built
     assert time.perf_counter() - start < 60
+
+
+def test_a_run_saved_before_a_key_existed_resumes_without_a_difference():
+    from grpokit.config import resume_differences
+
+    current = to_dict(load_config(None, ["--rewards=[{name: math_accuracy}]"]))
+    saved = to_dict(load_config(None, ["--rewards=[{name: math_accuracy}]"]))
+    for reward in saved["rewards"]:
+        del reward["args"]  # what a run saved before rewards[].args existed holds
+    del saved["grpo"]["beta"]
+    assert resume_differences(saved, current) == []
+    saved["grpo"]["beta"] = 0.5  # a real change is still found
+    assert resume_differences(saved, current) == ["grpo.beta: 0.5 -> 0.04"]

@@ -698,7 +698,13 @@ def _flatten(data, prefix: str = "") -> dict:
 
 
 def resume_differences(saved: dict, current: dict) -> list[str]:
-    """'key: saved -> current' for every key that differs and matters for an exact resume."""
+    """'key: saved -> current' for every key that differs and matters for an exact resume. A key
+    added to grpokit after the run was saved compares as its default (a run from an older version
+    still resumes), whenever the saved config still reads as one."""
+    try:
+        saved = to_dict(from_dict(Config, saved))
+    except ConfigError:  # a key since removed or renamed: compare the files as written
+        pass
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
