@@ -198,6 +198,63 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
     assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
+GEN_PROMPTS = (["Q: 12+7-3\n", "Q: 5\n"], ["Q: 40-1+2+8\n", "Q: 9+9\n", "Q: 3-2\n"])  # each process's own
+
+
+def _generation_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Greedy generate on the FSDP2 policy: each process its own prompts (another count, other
+    lengths), counting the all-gathers the call makes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    assert distributed.init(timeout_s=120)
+    try:
+        from grpokit.models.sharding import shard_model
+
+        tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+        model = shard_model(tiny(tokenizer))
+        gathers = []
+        # FSDP2's all-gather, by torch version: all_gather_single (2.13), all_gather_into_tensor (earlier)
+        names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n)]
+        real = {n: getattr(torch.distributed, n) for n in names}
+
+        def counting(name):
+            def counted(*args, **kwargs):
+                gathers.append(name)
+                return real[name](*args, **kwargs)
+            return counted
+
+        for name in names:
+            setattr(torch.distributed, name, counting(name))
+        try:
+            out = sample_groups(model, tokenizer, GEN_PROMPTS[rank], 1, SamplingParams(max_new_tokens=12, temperature=0))
+        finally:
+            for name in names:
+                setattr(torch.distributed, name, real[name])
+        units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
+        torch.save({"completions": out.completions, "gathers": len(gathers), "units": units},
+                   os.path.join(out_dir, f"generate{rank}.pt"))
+        # training goes on after generation: a forward and backward with the usual sharding
+        loss = model(input_ids=out.input_ids[:, :8]).logits.float().mean()
+        loss.backward()
+    finally:
+        distributed.shutdown()
+
+
+def test_generate_on_fsdp2_gathers_each_unit_once_per_call_not_per_token(tmp_path):
+    """HF generate on a sharded policy all-gathers every FSDP2 unit once for the whole call (12
+    decoded tokens), not once per token; the processes decode their own prompts, as many as they
+    have, without stepping together; and the completions are the unsharded model's."""
+    mp.spawn(_generation_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"generate{rank}.pt")
+        plain = sample_groups(tiny(tokenizer), tokenizer, GEN_PROMPTS[rank], 1,
+                              SamplingParams(max_new_tokens=12, temperature=0))
+        assert got["completions"] == plain.completions
+        assert got["units"] == 3 and got["gathers"] == got["units"], got  # 2 layers + the root, once each
+
+
 # --------------------------------------------------------------------------- one process: no-ops and checks
 
 

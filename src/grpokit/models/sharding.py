@@ -14,6 +14,8 @@ DTensor shards: `full_state_dict` gathers the plain tensors a Hugging Face check
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -78,6 +80,33 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
             module.set_gradient_divide_factor(1.0)  # a sum: the loss already divides by the global count
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; plain SUM everywhere
     return model
+
+
+@contextmanager
+def gathered_for_generation(model: torch.nn.Module):
+    """Every FSDP2 unit of `model` all-gathered once for a whole `generate` call, and freed after,
+    instead of once per decoded token (one forward each). Each process holds the full weights
+    meanwhile, as a colocated rollout engine would. Yields whether it gathered: the forwards inside
+    then run no collectives, so processes need not step together (no synced_gpus)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not is_sharded(model):
+        yield False
+        return
+    root = fsdp_root(model)
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    root.set_reshard_after_forward(False, recurse=True)
+    try:
+        for unit in units:  # the same order on every process: each is a collective
+            unit.unshard()
+        yield True
+    finally:
+        for unit in units:
+            unit.reshard()
+        # back to shard_model's layout: layers free their gathered weights after a forward; the
+        # root keeps them, as fully_shard does for the module its backward starts from
+        root.set_reshard_after_forward(True, recurse=True)
+        root.set_reshard_after_forward(False, recurse=False)
 
 
 def reshard(model: torch.nn.Module) -> None:

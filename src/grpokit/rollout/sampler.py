@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpokit.models.precision import in_compute_dtype
+from grpokit.models.sharding import gathered_for_generation
 from grpokit.types import Rollout
 
 
@@ -97,12 +98,6 @@ def _check_stop_strings(tokenizer, stops: tuple[str, ...]) -> None:
                          "use a tokenizer that can write the letters a-f, or another engine") from err
 
 
-def _is_sharded(model: torch.nn.Module) -> bool:
-    from grpokit.models.sharding import is_sharded
-
-    return is_sharded(model)
-
-
 @torch.no_grad()
 @in_compute_dtype
 def sample_groups(
@@ -151,16 +146,15 @@ def sample_groups(
     stop_kwargs = {"tokenizer": tokenizer} if params.stop else {}
     if params.stop:
         _check_stop_strings(tokenizer, params.stop)
-    # A sharded (FSDP2) policy all-gathers in every forward: processes keep stepping together
-    # until all have finished, and each must make the same number of generate calls.
-    synced = _is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     chunks = []
-    for start in range(0, prompt_ids.shape[0], params.batch_size):
-        ids = prompt_ids[start : start + params.batch_size].to(device)
-        mask = prompt_mask[start : start + params.batch_size].to(device)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                             synced_gpus=synced, **stop_kwargs)
-        chunks.append(out[:, ids.shape[1] :].cpu())
+    # A sharded (FSDP2) policy is gathered once for the whole call (each process must make the
+    # same number of calls), so the decoding forwards run no collectives.
+    with gathered_for_generation(model):
+        for start in range(0, prompt_ids.shape[0], params.batch_size):
+            ids = prompt_ids[start : start + params.batch_size].to(device)
+            mask = prompt_mask[start : start + params.batch_size].to(device)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, **stop_kwargs)
+            chunks.append(out[:, ids.shape[1] :].cpu())
     width = max(c.shape[1] for c in chunks)
     completion_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
