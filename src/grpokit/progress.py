@@ -80,7 +80,8 @@ class LogLines:
         elapsed = now - self.started
         done = self.n - self.start
         count = f"{self.n}/{self.total}" if self.total else str(self.n)
-        parts = [f"{self.desc}: {count} {self.unit}s" if self.desc else f"{count} {self.unit}s"]
+        units = self.unit + ("es" if self.unit.endswith(("s", "x", "ch", "sh")) else "s")
+        parts = [f"{self.desc}: {count} {units}" if self.desc else f"{count} {units}"]
         if self.total:
             parts[0] += f" ({self.n / self.total:.0%})"
         parts.append(f"{elapsed:.0f}s elapsed")
