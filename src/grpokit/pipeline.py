@@ -329,6 +329,15 @@ def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts
     return run_max_model_len(config.rollout, needed, what)
 
 
+def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout: list[dict]) -> int | None:
+    """_engine_model_len for RL: its questions, the held-out ones and their TIR form when evaluated."""
+    if config.rollout.engine != "vllm":
+        return None
+    tir = task.tir_rows(heldout, tokenizer) if heldout and config.eval.tir else None
+    return _engine_model_len(config, tokenizer, [r["prompt"] for r in rows + heldout],
+                             [r["prompt"] for r in tir or []], _labels_from_rollouts(config))
+
+
 def _labels_from_rollouts(config: Config) -> bool:
     return config.reward_model.kind == "process" and config.reward_model.label == "rollouts"
 
@@ -353,10 +362,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
-        tir = task.tir_rows(heldout, tokenizer) if heldout and config.eval.tir else None
-        model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows + heldout],
-                                      [r["prompt"] for r in tir or []], _labels_from_rollouts(config))
-        engine = make_engine(config.rollout, model, tokenizer, config.seed, model_len)
+        engine = make_engine(config.rollout, model, tokenizer, config.seed,
+                             _train_model_len(config, task, tokenizer, rows, heldout))
         timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:
