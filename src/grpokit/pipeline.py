@@ -41,6 +41,7 @@ from grpokit.eval.plots import plot_loss_curve, plot_reward_curve
 from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
 from grpokit.rundir import CLAIMED, NEW, check_not_complete, claim_run_dir
 from grpokit.runlock import RunLock
+from grpokit.models.loading import local_weights_dir
 from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
@@ -338,6 +339,16 @@ def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout:
                              [r["prompt"] for r in tir or []], _labels_from_rollouts(config))
 
 
+def _loaded_weights_dir(config: Config, checkpoint: Path | None = None) -> str | None:
+    """Where the policy just loaded (from `checkpoint`, else model.name_or_path; a LoRA policy's
+    base) lies in from_pretrained form, for a vLLM engine to load without a copy; None for a tiny
+    model built in memory, or weights vLLM cannot read alone."""
+    if config.rollout.engine != "vllm":
+        return None
+    source = str(checkpoint) if checkpoint is not None else config.model.name_or_path
+    return local_weights_dir(source) if source else None
+
+
 def _labels_from_rollouts(config: Config) -> bool:
     return config.reward_model.kind == "process" and config.reward_model.label == "rollouts"
 
@@ -363,7 +374,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed,
-                             _train_model_len(config, task, tokenizer, rows, heldout))
+                             _train_model_len(config, task, tokenizer, rows, heldout),
+                             _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))
         timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:
@@ -509,7 +521,7 @@ def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mod
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
         rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))
         model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows], step_prefixes=True)
-        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len)
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len, _loaded_weights_dir(config))
         sampled, completions = sample_completions(engine, rows, rm, config.grpo.max_completion_length,
                                                   progress=progress)
         started = time.perf_counter()

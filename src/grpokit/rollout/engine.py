@@ -92,10 +92,11 @@ def run_max_model_len(rollout_config, needed: int, what: str) -> int:
 
 
 def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0,
-                model_len: int | None = None) -> RolloutEngine:
+                model_len: int | None = None, weights_dir: str | None = None) -> RolloutEngine:
     """The engine rollout.engine names, built once from the policy (vLLM: in this process,
     colocated, with prefix caching and a bounded KV cache). model_len: the longest prompt +
     completion it must serve (run_max_model_len); None = max_model_len(rollout_config, model).
+    weights_dir: where the policy's weights lie unchanged (vLLM loads them from there, no copy).
     A LoRA policy's vLLM engine starts from the base model; the trainer pushes the merged weights."""
     if rollout_config.engine == "vllm":
         from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
@@ -107,5 +108,5 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
                           kv_cache_gb=rollout_config.kv_cache_gb, dtype=dtype, seed=seed,
                           enable_sleep_mode=rollout_config.sleep_mode,
                           gpu_memory_utilization=rollout_config.gpu_memory_utilization,
-                          enforce_eager=None if eager == "auto" else eager == "true")
+                          enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir)
     return HFEngine(model, tokenizer)

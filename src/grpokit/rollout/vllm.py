@@ -74,9 +74,11 @@ def _import_vllm():
 class VLLMEngine:
     """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
 
-    model, tokenizer: the Hugging Face policy and its tokenizer; both are saved to a
-        temporary directory and vLLM loads from there. A PEFT (LoRA) policy gives its base
-        weights (the adapters left out); sync_weights pushes the merged ones.
+    model, tokenizer: the Hugging Face policy and its tokenizer. The tokenizer is saved to a
+        temporary directory, and so is the model unless `weights_dir` holds it. A PEFT (LoRA)
+        policy gives its base weights (the adapters left out); sync_weights pushes the merged ones.
+    weights_dir: a local directory whose *.safetensors hold `model`'s current weights exactly
+        (model.name_or_path of a policy just loaded): vLLM loads from there, no copy is written.
     max_model_len: longest prompt + completion, in tokens, a request may have.
     kv_cache_gb: memory for vLLM's KV cache (GiB); None lets vLLM size it from
         gpu_memory_utilization on CUDA, and is CPU_KV_CACHE_GB on CPU.
@@ -102,6 +104,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool | None = None,
+        weights_dir: str | None = None,
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
@@ -129,13 +132,15 @@ class VLLMEngine:
         # must run in this process, not a child.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
-        _save_plain(model, self._checkpoint_dir.name)
         tokenizer.save_pretrained(self._checkpoint_dir.name)
+        self.weights_dir = weights_dir or self._checkpoint_dir.name
+        if weights_dir is None:
+            _save_plain(model, self._checkpoint_dir.name)
         self.architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
         # The names sync_weights must supply: what a checkpoint of this policy holds.
         self._weight_names = set(self._checkpoint_names(model))
         llm_kwargs = dict(
-            model=self._checkpoint_dir.name,
+            model=self.weights_dir,
             tokenizer=self._checkpoint_dir.name,
             dtype=dtype,
             seed=seed,
@@ -342,9 +347,9 @@ class VLLMEngine:
         from safetensors import safe_open
 
         names = []
-        for file in sorted(os.listdir(self._checkpoint_dir.name)):
+        for file in sorted(os.listdir(self.weights_dir)):
             if file.endswith(".safetensors"):
-                with safe_open(os.path.join(self._checkpoint_dir.name, file), framework="pt") as handle:
+                with safe_open(os.path.join(self.weights_dir, file), framework="pt") as handle:
                     names.extend(handle.keys())
         if not names:
             raise RuntimeError(f"saving {type(model).__name__} wrote no safetensors weights; vLLM cannot load it")
