@@ -107,22 +107,33 @@ def test_the_sync_probe_stops_the_run_when_a_push_did_not_land(tokenizer, chain_
         engine.close()
 
 
-def test_lora_with_the_vllm_engine_trains_and_resumes_from_the_command_line(tmp_path):
-    """The whole path run_train takes: LoRA applied, the engine built from the PEFT policy."""
+@pytest.mark.parametrize("policy", ["tiny", "directory"])
+def test_lora_with_the_vllm_engine_trains_and_resumes_from_the_command_line(tmp_path, tokenizer, policy):
+    """The whole path run_train takes: LoRA applied, the engine built from the PEFT policy (a tiny
+    model saved for it, or model.name_or_path's files read in place)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = [sys.executable, "-m", "grpokit", "train", f"--output_dir={tmp_path}", "--rollout.engine=vllm",
-           "--model.lora.r=4", "--model.lora.alpha=8", "--model.tiny.hidden_size=64", "--model.tiny.num_layers=2",
-           "--model.tiny.num_heads=2", "--model.tiny.intermediate_size=64", "--prompts_per_step=2",
+    if policy == "directory":
+        base = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64)
+        base.save_pretrained(tmp_path / "base")
+        tokenizer.save_pretrained(tmp_path / "base")
+        model = [f"--model.name_or_path={tmp_path / 'base'}"]
+    else:
+        model = ["--model.tiny.hidden_size=64", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
+                 "--model.tiny.intermediate_size=64"]
+    run = [sys.executable, "-m", "grpokit", "train", f"--output_dir={tmp_path / 'run'}", "--rollout.engine=vllm",
+           "--model.lora.r=4", "--model.lora.alpha=8", *model, "--prompts_per_step=2",
            "--num_generations=4", "--max_completion_length=8", "--num_rl_questions=50", "--num_eval_questions=4",
            "--eval.k=2", "--eval.before=false", "--quiet"]
     first = subprocess.run([*run, "--grpo.max_steps=2"], capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
+    if policy == "directory":  # vLLM read the base model's own files, not a copy (its log names the model)
+        assert f"'model': '{tmp_path / 'base'}'" in first.stdout + first.stderr
     resumed = subprocess.run([*run, "--grpo.max_steps=3", "--resume"], capture_output=True, text=True, timeout=600,
                              env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    assert (tmp_path / "checkpoints" / "step-3" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-3" / "adapter_model.safetensors").is_file()
