@@ -75,8 +75,9 @@ class VLLMEngine:
     """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
 
     model, tokenizer: the Hugging Face policy and its tokenizer. The tokenizer is saved to a
-        temporary directory, and so is the model unless `weights_dir` holds it. A PEFT (LoRA)
-        policy gives its base weights (the adapters left out); sync_weights pushes the merged ones.
+        temporary directory, and so is the model unless `weights_dir` holds it (then its config
+        only). A PEFT (LoRA) policy gives its base weights (the adapters left out); sync_weights
+        pushes the merged ones.
     weights_dir: a local directory whose *.safetensors hold `model`'s current weights exactly
         (model.name_or_path of a policy just loaded): vLLM loads from there, no copy is written.
     max_model_len: longest prompt + completion, in tokens, a request may have.
@@ -136,6 +137,8 @@ class VLLMEngine:
         self.weights_dir = weights_dir or self._checkpoint_dir.name
         if weights_dir is None:
             _save_plain(model, self._checkpoint_dir.name)
+        else:  # vLLM reads a tokenizer directory's config.json too, retrying with waits when it has none
+            model.config.save_pretrained(self._checkpoint_dir.name)
         self.architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
         # The names sync_weights must supply: what a checkpoint of this policy holds.
         self._weight_names = set(self._checkpoint_names(model))
