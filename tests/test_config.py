@@ -53,6 +53,14 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["--rewards=[{name: math_acuracy}]"], r"rewards\[0\]: unknown reward function 'math_acuracy' \(did you mean "
                                                r"'math_accuracy'\?\); the built-in ones are chain_accuracy, format, "),
         (["--rewards=[{name: format, args: {x: 1}}]"], "reward 'format' scores completions itself and takes no args"),
+        (["--rollout.gpu_memory_utilization=1.5"],
+         r"rollout.gpu_memory_utilization must lie in \(0, 1\), got 1.5: .*e.g. 0.5"),
+        (["--rollout.gpu_memory_utilization=0"], r"rollout.gpu_memory_utilization must lie in \(0, 1\), got 0"),
+        (["--rollout.kv_cache_gb=0"], r"rollout.kv_cache_gb must be > 0 \(or unset\), got 0"),
+        (["--rollout.enforce_eager=maybe"],
+         r"rollout.enforce_eager: 'maybe' is not one of \['auto', 'true', 'false'\]"),
+        (["--rollout.max_model_len=64", "--grpo.max_completion_length=64"],
+         r"rollout.max_model_len=64 leaves no room for a prompt before grpo.max_completion_length=64 tokens: raise it"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -143,3 +151,21 @@ def test_a_run_saved_before_a_key_existed_resumes_without_a_difference():
     assert resume_differences(saved, current) == []
     saved["grpo"]["beta"] = 0.5  # a real change is still found
     assert resume_differences(saved, current) == ["grpo.beta: 0.5 -> 0.04"]
+
+
+def test_rollout_sizing_defaults_suit_a_colocated_engine():
+    rollout = load_config().rollout
+    assert rollout.kv_cache_gb is None and rollout.gpu_memory_utilization == 0.5
+    assert rollout.enforce_eager == "auto" and rollout.max_model_len == 0
+
+
+def test_max_model_len_is_the_longest_prompt_plus_completion_unless_overridden():
+    from grpokit.rollout import run_max_model_len
+
+    what = "the longest prompt (40 tokens) + 64 completion tokens"
+    assert run_max_model_len(load_config().rollout, 104, what) == 104
+    assert run_max_model_len(load_config(overrides=["--rollout.max_model_len=200"]).rollout, 104, what) == 200
+    short = load_config(overrides=["--rollout.max_model_len=100"]).rollout
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len=100 is shorter than the longest prompt \(40 tokens\) "
+                                          r"\+ 64 completion tokens = 104 tokens: raise it to at least 104"):
+        run_max_model_len(short, 104, what)

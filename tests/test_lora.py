@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpokit.config import ConfigError, GRPOConfig, LoraConfig
-from grpokit.models.lora import AdapterDisabledReference, apply_lora, load_lora, merged_state_dict
+from grpokit.models.lora import AdapterDisabledReference, apply_lora, load_lora, lora_merged_weights, merged_state_dict
 from grpokit.rewards import WeightedReward
 from grpokit.train.grpo import GRPOTrainer, policy_logprobs
 
@@ -81,11 +81,15 @@ def test_checkpoints_hold_the_adapter_and_on_request_the_merged_model(tiny_model
     reloaded = load_lora(copy.deepcopy(base), step)
     torch.testing.assert_close(logits(reloaded, tokenizer), logits(policy, tokenizer))
 
-    # A separate engine (vLLM) receives the merged weights under the base model's names.
-    weights = trainer.engine_weights()
+    # A separate engine (vLLM) receives the merged weights under the base model's names, computed
+    # without touching the policy's own weights.
+    assert trainer.engine_weights() is None  # an unsharded LoRA policy: the engine merges on the device
+    before = logits(policy, tokenizer)
+    weights = {name: value() if callable(value) else value for name, value in lora_merged_weights(policy).items()}
     assert weights.keys() == merged.state_dict().keys()
     for name, value in weights.items():
-        torch.testing.assert_close(value, merged.state_dict()[name])
+        torch.testing.assert_close(value.float(), merged.state_dict()[name].float())
+    assert torch.equal(logits(policy, tokenizer), before)
 
 
 def test_merging_is_w_plus_scaled_b_a(tiny_model):

@@ -57,3 +57,19 @@ def test_bad_device_and_dtype_are_explained():
     with pytest.raises(ValueError, match="model.dtype must be"):
         resolve_dtype("int8", torch.device("cpu"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_local_weights_dir_is_where_vllm_can_load_the_weights_alone(tokenizer, tmp_path):
+    from grpokit.models.loading import local_weights_dir
+
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    model.save_pretrained(tmp_path / "plain")
+    assert local_weights_dir(str(tmp_path / "plain")) == str(tmp_path / "plain")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    assert local_weights_dir(str(tmp_path / "adapter")) is None  # base + adapter: not these files alone
+    model.save_pretrained(tmp_path / "extra")
+    (tmp_path / "extra" / "value_head.safetensors").write_bytes(b"")
+    assert local_weights_dir(str(tmp_path / "extra")) is None  # vLLM would read the other file too
+    assert local_weights_dir("grpokit-tests/no-such-model") is None  # not cached: the engine saves a copy

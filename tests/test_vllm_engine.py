@@ -7,6 +7,7 @@ hidden 64 / 2 heads rather than the conftest's 32 / 2.
 
 import copy
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -345,3 +346,22 @@ def test_after_five_grpo_updates_through_the_engine_its_greedy_completions_equal
         assert len(set(got.completions)) > 1 and not got.truncated.all()
     finally:
         engine.close()
+
+
+def test_an_engine_loads_the_policys_own_directory_without_a_copy(trained_policy, tokenizer, tmp_path):
+    """weights_dir (model.name_or_path of a policy just loaded): vLLM reads those files, and only the
+    tokenizer goes to the temporary directory."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    trained_policy.save_pretrained(tmp_path / "policy")
+    engine = VLLMEngine(trained_policy, tokenizer, max_model_len=64, kv_cache_gb=0.0625,
+                        weights_dir=str(tmp_path / "policy"))
+    try:
+        assert not [f for f in os.listdir(engine._checkpoint_dir.name) if f.endswith(".safetensors")]
+        params = SamplingParams(max_new_tokens=12, temperature=0.0)
+        _assert_same_rollout(sample_groups(trained_policy, tokenizer, PROMPTS, 1, params),
+                             engine.generate(PROMPTS, 1, params))
+        engine.sync_weights(trained_policy)  # the names it checks came from that directory
+    finally:
+        engine.close()
+    assert (tmp_path / "policy" / "model.safetensors").is_file()  # closing leaves the policy's files alone

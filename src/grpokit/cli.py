@@ -220,13 +220,15 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from grpokit.data.files import DatasetError
     from grpokit.distributed import PeerFailure
     from grpokit.models.loading import ModelNotFound
+    from grpokit.rollout.engine import WeightSyncError
     from grpokit.rundir import RunComplete, RunDirectoryInUse
     from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
     from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
-            RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable)
+            RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable,
+            WeightSyncError)
 
 
 def _run(args, config) -> int:

@@ -264,9 +264,16 @@ class IterativeConfig:
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = opt("hf", "what samples completions: hf (transformers' generate) or vllm "
                                               "(a colocated vLLM engine, synced after every optimizer step)")
-    kv_cache_gb: float = opt(1.0, "vllm: memory its KV cache may take, in GiB")
+    kv_cache_gb: Optional[float] = opt(None, "vllm: memory its KV cache may take, in GiB; unset = on CUDA what "
+                                             "gpu_memory_utilization leaves after the weights, on CPU 1 GiB")
+    gpu_memory_utilization: float = opt(0.5, "vllm on CUDA: the fraction of GPU memory vLLM may take (weights + KV "
+                                             "cache), colocated with training; in (0, 1)")
+    enforce_eager: Literal["auto", "true", "false"] = opt(
+        "auto", "vllm: no CUDA graphs or compilation (faster start, slower decoding); auto = false on CUDA, "
+                "true on CPU")
     sleep_mode: bool = opt(True, "vllm on CUDA: free the KV cache during the update (enable_sleep_mode)")
-    max_model_len: int = opt(0, "vllm: longest prompt + completion in tokens; 0 = the model's max_position_embeddings")
+    max_model_len: int = opt(0, "vllm: longest prompt + completion in tokens; 0 = the run's longest prompt + "
+                                "grpo.max_completion_length")
     is_correction: Literal["none", "tis"] = opt(
         "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling), "
                 "for an engine whose log-probs differ from the trainer's")
@@ -589,7 +596,15 @@ def validate(config: Config) -> None:
         (0 <= config.data.heldout_fraction < 1, "data.heldout_fraction must lie in [0, 1)"),
         (g.max_generation_rounds >= 1, f"grpo.max_generation_rounds must be >= 1, got {g.max_generation_rounds}"),
         (config.rollout.is_cap > 0, f"rollout.is_cap must be > 0, got {config.rollout.is_cap}"),
-        (config.rollout.kv_cache_gb > 0, f"rollout.kv_cache_gb must be > 0, got {config.rollout.kv_cache_gb}"),
+        (config.rollout.kv_cache_gb is None or config.rollout.kv_cache_gb > 0,
+         f"rollout.kv_cache_gb must be > 0 (or unset), got {config.rollout.kv_cache_gb}"),
+        (0 < config.rollout.gpu_memory_utilization < 1,
+         f"rollout.gpu_memory_utilization must lie in (0, 1), got {config.rollout.gpu_memory_utilization}: it is the "
+         f"fraction of GPU memory vLLM takes beside training, e.g. 0.5"),
+        (config.rollout.max_model_len == 0 or config.rollout.max_model_len > g.max_completion_length,
+         f"rollout.max_model_len={config.rollout.max_model_len} leaves no room for a prompt before "
+         f"grpo.max_completion_length={g.max_completion_length} tokens: raise it, or set 0 for the run's longest "
+         f"prompt + grpo.max_completion_length"),
         (config.model.lora.r >= 0, f"model.lora.r must be >= 0 (0 = off), got {config.model.lora.r}"),
         (0 <= config.model.lora.dropout < 1, f"model.lora.dropout must lie in [0, 1), got {config.model.lora.dropout}"),
         (config.model.lora.r == 0 or bool(config.model.lora.target_modules),
@@ -684,7 +699,8 @@ RESUME_SAFE_KEYS = (
     "grpo.max_tokens_per_micro_batch", "grpo.generation_batch_size", "grpo.max_failed_steps",
     "grpo.max_nonfinite_steps", "sft.max_tokens_per_micro_batch", "model.device",
     "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
-    "rollout.kv_cache_gb", "distributed.timeout_s", "model.gradient_checkpointing",
+    "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.enforce_eager", "distributed.timeout_s",
+    "model.gradient_checkpointing",
 )
 
 

@@ -41,11 +41,12 @@ from grpokit.eval.plots import plot_loss_curve, plot_reward_curve
 from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
 from grpokit.rundir import CLAIMED, NEW, check_not_complete, claim_run_dir
 from grpokit.runlock import RunLock
+from grpokit.models.loading import local_weights_dir
 from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
-from grpokit.rollout import make_engine
+from grpokit.rollout import longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
 from grpokit.tasks.base import evaluate_task
 from grpokit.train.grpo import frozen_copy
@@ -304,6 +305,54 @@ def _shard_for_run(config: Config, model, ref_model):
     return model, ref_model
 
 
+# Tokens a program's printed output may add to a context in each TIR round.
+TIR_OUTPUT_ROOM = 64
+
+
+def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts: list[str] | None = None,
+                      step_prefixes: bool = False) -> int | None:
+    """A vLLM engine's max_model_len for a run over `prompts` (None for hf): the longest prompt +
+    grpo.max_completion_length, twice that completion when step prefixes are continued (process
+    labels from rollouts), and TIR's rounds of completion + program output after its prompts."""
+    if config.rollout.engine != "vllm":
+        return None
+    c = config.grpo.max_completion_length
+    room = 2 * c if step_prefixes else c
+    longest = longest_prompt_tokens(tokenizer, prompts)
+    needed, what = longest + room, f"the longest prompt ({longest} tokens) + {room} completion tokens"
+    if tir_prompts:
+        tir_longest = longest_prompt_tokens(tokenizer, tir_prompts)
+        tir_room = config.eval.max_tool_calls * (c + TIR_OUTPUT_ROOM)
+        if tir_longest + tir_room > needed:
+            needed = tir_longest + tir_room
+            what = (f"the longest TIR prompt ({tir_longest} tokens) + eval.max_tool_calls x (grpo.max_completion_length"
+                    f" + {TIR_OUTPUT_ROOM} output tokens) ({tir_room})")
+    return run_max_model_len(config.rollout, needed, what)
+
+
+def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout: list[dict]) -> int | None:
+    """_engine_model_len for RL: its questions, the held-out ones and their TIR form when evaluated."""
+    if config.rollout.engine != "vllm":
+        return None
+    tir = task.tir_rows(heldout, tokenizer) if heldout and config.eval.tir else None
+    return _engine_model_len(config, tokenizer, [r["prompt"] for r in rows + heldout],
+                             [r["prompt"] for r in tir or []], _labels_from_rollouts(config))
+
+
+def _loaded_weights_dir(config: Config, checkpoint: Path | None = None) -> str | None:
+    """Where the policy just loaded (from `checkpoint`, else model.name_or_path; a LoRA policy's
+    base) lies in from_pretrained form, for a vLLM engine to load without a copy; None for a tiny
+    model built in memory, or weights vLLM cannot read alone."""
+    if config.rollout.engine != "vllm":
+        return None
+    source = str(checkpoint) if checkpoint is not None else config.model.name_or_path
+    return local_weights_dir(source) if source else None
+
+
+def _labels_from_rollouts(config: Config) -> bool:
+    return config.reward_model.kind == "process" and config.reward_model.label == "rollouts"
+
+
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
               timings: dict | None = None, started: float | None = None, run_dir_mode: str = NEW) -> dict:
     """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
@@ -324,7 +373,9 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
-        engine = make_engine(config.rollout, model, tokenizer, config.seed)
+        engine = make_engine(config.rollout, model, tokenizer, config.seed,
+                             _train_model_len(config, task, tokenizer, rows, heldout),
+                             _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))
         timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:
@@ -332,6 +383,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
                                    progress=progress, desc="held-out eval before RL")
             timings["eval_before_seconds"] = time.perf_counter() - t
+            engine.release_memory(weights_pushed_next=False)  # the reward model may train next
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
                   + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
         t = time.perf_counter()
@@ -468,7 +520,8 @@ def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mod
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
         rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))
-        engine = make_engine(config.rollout, policy, tokenizer, config.seed)
+        model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows], step_prefixes=True)
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len, _loaded_weights_dir(config))
         sampled, completions = sample_completions(engine, rows, rm, config.grpo.max_completion_length,
                                                   progress=progress)
         started = time.perf_counter()
@@ -516,7 +569,9 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_
         policy, tokenizer = load_policy(config)
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer) if not data else []
-        engine = make_engine(config.rollout, policy, tokenizer, config.seed)
+        model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows],
+                                      step_prefixes=_labels_from_rollouts(config))
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len)
         stage = reward_model_stage(config, task, policy, tokenizer, rows, run_dir, progress, engine=engine)
         if examples is None:
             metrics = stage.train_round(policy, 0)

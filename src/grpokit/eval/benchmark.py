@@ -599,7 +599,7 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
 
     from grpokit.config import RolloutConfig
     from grpokit.progress import progress as progress_bar
-    from grpokit.models.loading import load_model_and_tokenizer
+    from grpokit.models.loading import load_model_and_tokenizer, local_weights_dir
     from grpokit.rollout import make_engine
     from grpokit.sandbox import namespaces_available
 
@@ -619,7 +619,8 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
         settings.max_model_len = int(getattr(policy.config, "max_position_embeddings", 0) or 4096)
     torch.manual_seed(settings.seed)
     engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb,
-                                       max_model_len=settings.max_model_len), policy, tokenizer, settings.seed)
+                                       max_model_len=settings.max_model_len), policy, tokenizer, settings.seed,
+                         weights_dir=local_weights_dir(model_path) if engine_name == "vllm" else None)
     header = {"model": model, "model_path": model_path, "engine": engine_name, "prompt_format": layout,
               "prompt_layout": PLAIN_LAYOUT if layout == "plain" else "the tokenizer's chat template",
               "load_seconds": time.perf_counter() - load_start,

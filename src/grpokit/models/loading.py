@@ -194,3 +194,22 @@ def load_model_and_tokenizer(
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def local_weights_dir(name_or_path: str) -> str | None:
+    """The local directory whose *.safetensors hold `name_or_path`'s weights as from_pretrained reads
+    them: the directory itself, or a hub id's cached snapshot; None for a LoRA adapter directory (its
+    weights are the base's plus the adapter's), .bin-only weights, other safetensors beside the
+    model's (vLLM would read them too), or a hub id not in the cache."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(name_or_path, local_files_only=True))
+        except Exception:  # not a hub id, or not cached: the engine saves the weights itself
+            return None
+    files = [file.name for file in path.glob("*.safetensors")]
+    if is_lora_adapter(path) or not files or not all(name.startswith("model") for name in files):
+        return None
+    return str(path)

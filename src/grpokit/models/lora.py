@@ -5,7 +5,8 @@ weights exists.
 A LoRA checkpoint holds the adapter in PEFT's format (adapter_model.safetensors +
 adapter_config.json, loadable with PeftModel.from_pretrained over the base model) and, on
 request (model.lora.save_merged), the merged model W + (alpha / r) B A in merged/, which
-from_pretrained loads alone. A separate engine (vLLM) receives the merged weights.
+from_pretrained loads alone. A separate engine (vLLM) receives the merged weights, computed on the
+weights' device one layer at a time (lora_merged_weights), never merged into the frozen base in place.
 """
 
 from __future__ import annotations
@@ -99,4 +100,31 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
         if a is not None and b is not None and key.endswith(".base_layer.weight"):
             value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
         merged[name] = value
+    return merged
+
+
+def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT model's base weights (the adapters left out) under the plain model's names."""
+    return {name.replace(".base_layer.", "."): tensor for name, tensor in model.get_base_model().state_dict().items()
+            if ".lora_" not in name}
+
+
+def lora_merged_weights(model: torch.nn.Module) -> dict:
+    """A PEFT model's weights under the base model's names, each adapted layer's weight as a
+    zero-argument function computing W + delta (PEFT's get_delta_weight, on W's device) when
+    called; the adapters' own tensors left out."""
+    from peft.tuners.lora import LoraLayer
+
+    merged: dict = base_state_dict(model)
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            merged[f"{name}.weight"] = _merged_weight_fn(module)
+    return merged
+
+
+def _merged_weight_fn(module):
+    def merged() -> torch.Tensor:
+        # in float32, as merged_state_dict: the engine rounds once, to its own dtype
+        delta = sum(module.get_delta_weight(name).float() for name in module.active_adapters if name in module.lora_A)
+        return module.get_base_layer().weight.float() + delta
     return merged

@@ -28,6 +28,13 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         """Load `model`'s current weights (or `state_dict`, named as in `model`) into the engine."""
 
+    def release_memory(self, weights_pushed_next: bool) -> None:
+        """Free what the engine can until its next call (`weights_pushed_next`: a sync comes first)."""
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not hold the weights just pushed to it (its sync probe disagrees)."""
+
 
 class HFEngine:
     """transformers' generate on the policy itself: sampling always sees the current weights,
@@ -45,6 +52,9 @@ class HFEngine:
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         self.model = model
 
+    def release_memory(self, weights_pushed_next: bool) -> None:
+        """Nothing to free: the policy is the engine."""
+
 
 def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generations: int) -> list[int]:
     """One seed per completion from (run seed, step, prompt index, sample index): a completion
@@ -54,19 +64,49 @@ def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generatio
 
 
 def max_model_len(rollout_config, model: torch.nn.Module) -> int:
-    """The longest prompt + completion an engine serves: rollout.max_model_len, else the model's
-    max_position_embeddings (4096 when its config has none)."""
+    """The longest prompt + completion an engine serves when the prompts are not known up front:
+    rollout.max_model_len, else the model's max_position_embeddings (4096 when its config has none)."""
     return rollout_config.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
 
 
-def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0) -> RolloutEngine:
+def longest_prompt_tokens(tokenizer, prompts: list[str]) -> int:
+    """The token count of the longest of `prompts` (0 for none), as the engines tokenize them."""
+    if not prompts:
+        return 0
+    return max(len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"])
+
+
+def run_max_model_len(rollout_config, needed: int, what: str) -> int:
+    """rollout.max_model_len when set, else `needed` (the run's longest prompt + its room to write,
+    described by `what`). An override shorter than `needed` is a config error: every request of the
+    run must fit."""
+    from grpokit.config import ConfigError
+
+    override = rollout_config.max_model_len
+    if not override:
+        return needed
+    if override < needed:
+        raise ConfigError(f"rollout.max_model_len={override} is shorter than {what} = {needed} tokens: raise it to "
+                          f"at least {needed}, or set 0 to size it from the run's prompts")
+    return override
+
+
+def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0,
+                model_len: int | None = None, weights_dir: str | None = None) -> RolloutEngine:
     """The engine rollout.engine names, built once from the policy (vLLM: in this process,
-    colocated, with prefix caching and a bounded KV cache)."""
+    colocated, with prefix caching and a bounded KV cache). model_len: the longest prompt +
+    completion it must serve (run_max_model_len); None = max_model_len(rollout_config, model).
+    weights_dir: where the policy's weights lie unchanged (vLLM loads them from there, no copy).
+    A LoRA policy's vLLM engine starts from the base model; the trainer pushes the merged weights."""
     if rollout_config.engine == "vllm":
         from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
 
         # vLLM runs in the policy's compute dtype (bf16 over fp32 master weights; models/precision.py)
         dtype = str(compute_dtype(model) or next(model.parameters()).dtype).removeprefix("torch.")
-        return VLLMEngine(model, tokenizer, max_model_len=max_model_len(rollout_config, model), kv_cache_gb=rollout_config.kv_cache_gb,
-                          dtype=dtype, seed=seed, enable_sleep_mode=rollout_config.sleep_mode)
+        eager = rollout_config.enforce_eager
+        return VLLMEngine(model, tokenizer, max_model_len=model_len or max_model_len(rollout_config, model),
+                          kv_cache_gb=rollout_config.kv_cache_gb, dtype=dtype, seed=seed,
+                          enable_sleep_mode=rollout_config.sleep_mode,
+                          gpu_memory_utilization=rollout_config.gpu_memory_utilization,
+                          enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir)
     return HFEngine(model, tokenizer)

@@ -13,11 +13,20 @@ Determinism: every completion is its own vLLM request with its own seed (one per
 completion, passed by the caller), so a completion does not depend on which other
 prompts share the batch.
 
-GPU memory (CUDA only): with enable_sleep_mode=True the engine sleeps (level 1:
-weights offloaded to CPU, KV cache freed) after each `generate`, wakes its weights
-before `sync_weights` and its KV cache before the next `generate`, so training can use
-that memory in between. On CPU vLLM has no sleep mode and the flag is ignored with a
-warning.
+GPU memory (CUDA only): with enable_sleep_mode=True, `release_memory` puts the engine to
+sleep between rollouts and the update, so training can use that memory; it wakes its
+weights before `sync_weights` and its KV cache before the next `generate`. When the caller
+pushes new weights next (the trainer, every step) the sleep is level 2: the weights are
+discarded, not copied to host and back just before being overwritten; otherwise level 1
+(weights kept on host). On CPU vLLM has no sleep mode and the flag is ignored with a warning.
+
+LoRA: the engine holds the base model; `sync_weights(peft_model)` pushes W + delta for each
+adapted layer, computed on the weights' device one layer at a time, under the base names.
+The base weights are not merged in place (merge_adapter/unmerge_adapter, as TRL does, would
+round the frozen base a little at every step in bf16).
+
+After each push `check_synced` compares the log-probs of a fixed short token sequence under
+the engine and under the trainer's policy, so a push that did not land stops the run.
 
 This is the only module in grpokit that imports vllm.
 """
@@ -34,6 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
+from grpokit.models.lora import base_state_dict, lora_merged_weights
 from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
 from grpokit.types import Rollout
 
@@ -44,6 +54,12 @@ _INSTALL_HINT = (
 )
 # Wrappers that prefix parameter names without changing the weights.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+# KV cache on CPU when rollout.kv_cache_gb is unset: vLLM's CPU backend has no memory profiling.
+CPU_KV_CACHE_GB = 1.0
+# Largest |log-prob difference| between engine and trainer on the sync probe, by engine dtype:
+# kernels differ, so equal weights still differ by rounding.
+SYNC_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+SYNC_PROBE_TOKENS = 8
 
 
 def _import_vllm():
@@ -58,15 +74,21 @@ def _import_vllm():
 class VLLMEngine:
     """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
 
-    model, tokenizer: the Hugging Face policy and its tokenizer; both are saved to a
-        temporary directory and vLLM loads from there.
+    model, tokenizer: the Hugging Face policy and its tokenizer. The tokenizer is saved to a
+        temporary directory, and so is the model unless `weights_dir` holds it (then its config
+        only). A PEFT (LoRA) policy gives its base weights (the adapters left out); sync_weights
+        pushes the merged ones.
+    weights_dir: a local directory whose *.safetensors hold `model`'s current weights exactly
+        (model.name_or_path of a policy just loaded): vLLM loads from there, no copy is written.
     max_model_len: longest prompt + completion, in tokens, a request may have.
     kv_cache_gb: memory for vLLM's KV cache (GiB); None lets vLLM size it from
-        gpu_memory_utilization (on CPU that fraction is of host memory).
+        gpu_memory_utilization on CUDA, and is CPU_KV_CACHE_GB on CPU.
     dtype: the engine's weight/activation dtype; synced weights are cast to it.
     seed: vLLM's global seed, used only for requests generated without per-request seeds.
     enable_sleep_mode: CUDA only, see the module docstring.
-    enforce_eager: no CUDA graphs / compilation (faster start, slower decoding on GPU).
+    gpu_memory_utilization: CUDA: the fraction of GPU memory vLLM may take.
+    enforce_eager: no CUDA graphs / compilation (faster start, slower decoding on GPU);
+        None = True on CPU, False on CUDA.
     """
 
     copies_weights = True
@@ -77,20 +99,16 @@ class VLLMEngine:
         tokenizer,
         *,
         max_model_len: int,
-        kv_cache_gb: float | None = 1.0,
+        kv_cache_gb: float | None = None,
         dtype: str = "float32",
         seed: int = 0,
         enable_sleep_mode: bool = False,
-        gpu_memory_utilization: float = 0.3,
-        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool | None = None,
+        weights_dir: str | None = None,
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
-        if hasattr(model, "peft_config"):
-            raise ValueError(
-                "VLLMEngine got a PEFT-wrapped model; build it from the base model (or a merged copy) "
-                "and push LoRA weights with sync_weights(model, state_dict=merged_state_dict)"
-            )
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -106,24 +124,32 @@ class VLLMEngine:
         if enable_sleep_mode and not self.sleep_enabled:
             warnings.warn("VLLMEngine: enable_sleep_mode needs CUDA; ignored on this machine", stacklevel=2)
         self._asleep: set[str] = set()  # allocations vLLM holds offloaded: "weights", "kv_cache"
+        self._weights_discarded = False  # a level-2 sleep dropped them; only a push brings them back
+        self._on_cpu = _vllm_platform_is_cpu()
+        if kv_cache_gb is None and self._on_cpu:
+            kv_cache_gb = self.kv_cache_gb = CPU_KV_CACHE_GB
 
         # Weights reach vLLM by reference through collective_rpc, so its engine core
         # must run in this process, not a child.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
-        model.save_pretrained(self._checkpoint_dir.name, safe_serialization=True)
         tokenizer.save_pretrained(self._checkpoint_dir.name)
+        self.weights_dir = weights_dir or self._checkpoint_dir.name
+        if weights_dir is None:
+            _save_plain(model, self._checkpoint_dir.name)
+        else:  # vLLM reads a tokenizer directory's config.json too, retrying with waits when it has none
+            model.config.save_pretrained(self._checkpoint_dir.name)
         self.architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
         # The names sync_weights must supply: what a checkpoint of this policy holds.
         self._weight_names = set(self._checkpoint_names(model))
         llm_kwargs = dict(
-            model=self._checkpoint_dir.name,
+            model=self.weights_dir,
             tokenizer=self._checkpoint_dir.name,
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
-            enforce_eager=enforce_eager,
+            enforce_eager=self._on_cpu if enforce_eager is None else enforce_eager,
             # Log-probs after temperature/top_p: those of the distribution actually sampled.
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=self.sleep_enabled,
@@ -140,7 +166,7 @@ class VLLMEngine:
                 raise
             raise explained from err
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
-        self._on_cpu = _vllm_platform_is_cpu()
+        self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
 
     # ---- generation ------------------------------------------------------------------
 
@@ -189,10 +215,7 @@ class VLLMEngine:
             self._request_params(params, None if seeds is None else int(seeds[i])) for i in range(n)
         ]
         self._wake(("weights", "kv_cache"))
-        try:
-            outputs = self.llm.generate(requests, sampling_params=request_params, use_tqdm=False)
-        finally:
-            self._sleep()
+        outputs = self.llm.generate(requests, sampling_params=request_params, use_tqdm=False)
         sampled = [out.outputs[0] for out in outputs]
         return self._build_rollout(prompts, num_generations, enc, sampled, rows)
 
@@ -243,16 +266,12 @@ class VLLMEngine:
         """Copy the policy's current weights into vLLM and drop its now-stale prefix cache.
 
         state_dict: weights to push instead of model.state_dict(), named as in the plain
-        Hugging Face model (e.g. a LoRA policy's merged weights). Sets `last_sync_s`.
+        Hugging Face model. A PEFT (LoRA) model without one pushes its merged weights
+        (lora_merged_weights). Sets `last_sync_s`.
         """
         start = time.perf_counter()
         if state_dict is None:
-            if hasattr(model, "peft_config"):
-                raise RuntimeError(
-                    "sync_weights got a PEFT-wrapped model: pass its merged weights as "
-                    "sync_weights(model, state_dict=...) with the base model's parameter names"
-                )
-            state_dict = model.state_dict()
+            state_dict = lora_merged_weights(model) if hasattr(model, "peft_config") else model.state_dict()
         weights = self._weights_for_vllm(state_dict)
         self._wake(("weights",))
         try:
@@ -266,16 +285,19 @@ class VLLMEngine:
             ) from err
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync; a request is still running")
+        self._weights_discarded = False
         self.last_sync_s = time.perf_counter() - start
 
-    def _weights_for_vllm(self, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def _weights_for_vllm(self, state_dict: Mapping[str, torch.Tensor]):
+        """(name, tensor) pairs for vLLM, made one at a time: a LoRA layer's merged weight exists
+        only while vLLM copies it. The names are checked before anything is pushed."""
         weights = {}
         for name, tensor in state_dict.items():
             for prefix in _WRAPPER_PREFIXES:
                 name = name.removeprefix(prefix)
             if name not in self._weight_names and self._is_tied_head(name):
                 continue  # a tied lm_head is the embedding; vLLM shares it already
-            weights[name] = tensor.detach().to(self.dtype) if tensor.is_floating_point() else tensor.detach()
+            weights[name] = tensor
         missing = sorted(self._weight_names - weights.keys())
         unknown = sorted(weights.keys() - self._weight_names)
         if missing or unknown:
@@ -287,7 +309,39 @@ class VLLMEngine:
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), "
                 f"unexpected {unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)}){hint}"
             )
-        return list(weights.items())
+        return ((name, self._as_engine_tensor(value)) for name, value in weights.items())
+
+    def _as_engine_tensor(self, value) -> torch.Tensor:
+        tensor = (value() if callable(value) else value).detach()
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    # ---- the sync probe ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def check_synced(self, model: torch.nn.Module) -> float:
+        """The largest |log-prob difference| of a fixed short token sequence under the engine and
+        under `model` (the trainer's policy, LoRA adapters active). Raises WeightSyncError when
+        it exceeds the engine dtype's tolerance: the engine does not hold the policy's weights."""
+        engine_logp = self._engine_probe_logprobs()
+        policy_logp = _policy_probe_logprobs(model, self._probe_ids)
+        difference = float((engine_logp - policy_logp).abs().max())
+        tolerance = SYNC_TOLERANCE.get(self.dtype, 1e-1)
+        if not difference <= tolerance:
+            from grpokit.rollout.engine import WeightSyncError
+
+            raise WeightSyncError(f"the engine's log-probs differ from the policy's by {difference:.3g} "
+                                  f"(tolerance {tolerance:g} in {str(self.dtype).removeprefix('torch.')})")
+        return difference
+
+    def _engine_probe_logprobs(self) -> torch.Tensor:
+        # Prompt log-probs come from the raw logits; greedy draws nothing from any generator.
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self._wake(("weights", "kv_cache"))
+        prompt = self._TokensPrompt(prompt_token_ids=self._probe_ids)
+        out = self.llm.generate([prompt], sampling_params=params, use_tqdm=False)[0]
+        # Position 0 has no log-prob; each later one holds at least the prompt token's own.
+        return torch.tensor([out.prompt_logprobs[i][token].logprob for i, token in enumerate(self._probe_ids)
+                             if i > 0], dtype=torch.float32)
 
     def _is_tied_head(self, name: str) -> bool:
         return self.tie_word_embeddings and name.endswith("lm_head.weight")
@@ -296,9 +350,9 @@ class VLLMEngine:
         from safetensors import safe_open
 
         names = []
-        for file in sorted(os.listdir(self._checkpoint_dir.name)):
+        for file in sorted(os.listdir(self.weights_dir)):
             if file.endswith(".safetensors"):
-                with safe_open(os.path.join(self._checkpoint_dir.name, file), framework="pt") as handle:
+                with safe_open(os.path.join(self.weights_dir, file), framework="pt") as handle:
                     names.extend(handle.keys())
         if not names:
             raise RuntimeError(f"saving {type(model).__name__} wrote no safetensors weights; vLLM cannot load it")
@@ -306,15 +360,24 @@ class VLLMEngine:
 
     # ---- memory --------------------------------------------------------------------------
 
-    def _sleep(self) -> None:
+    def release_memory(self, weights_pushed_next: bool) -> None:
+        """Sleep (CUDA, enable_sleep_mode) until the next generate or sync: level 2, discarding
+        the weights, when the caller pushes new ones next; level 1 (weights to host) otherwise."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+            level = sleep_level(weights_pushed_next)
+            self.llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = level == 2
 
     def _wake(self, tags: tuple[str, ...]) -> None:
+        if "kv_cache" in tags and self._weights_discarded:
+            raise RuntimeError("VLLMEngine: generate after release_memory(weights_pushed_next=True) without a "
+                               "sync_weights in between: the level-2 sleep discarded the engine's weights")
         # Wake weights before the KV cache; vLLM resumes scheduling once both are back.
         to_wake = [tag for tag in tags if tag in self._asleep]
         if to_wake:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # return the trainer's freed blocks before vLLM allocates again
             self.llm.wake_up(tags=to_wake)
             self._asleep -= set(to_wake)
             if "kv_cache" in to_wake:
@@ -355,6 +418,35 @@ class VLLMEngine:
                 f"rollout.kv_cache_gb={self.kv_cache_gb} is more memory than is free: lower it ({message})"
             )
         return None
+
+
+def sleep_level(weights_pushed_next: bool) -> int:
+    """vLLM's sleep level: 2 frees the weights outright, right when new ones are pushed next
+    (level 1 would copy them to host and back only to overwrite them); else 1, which keeps them."""
+    return 2 if weights_pushed_next else 1
+
+
+def _save_plain(model: torch.nn.Module, directory: str) -> None:
+    """`model` as from_pretrained loads it; a PEFT model as its base model alone."""
+    if hasattr(model, "peft_config"):
+        model.get_base_model().save_pretrained(directory, safe_serialization=True, state_dict=base_state_dict(model))
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+
+
+def _policy_probe_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Log-probs (temperature 1, float32, on CPU) of token_ids[1:] after their prefix under `model`."""
+    from grpokit.rollout.logprobs import token_logprobs
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids), prompt_length=1)
+    finally:
+        model.train(was_training)
+    return logp[0].float().cpu()
 
 
 @contextlib.contextmanager

@@ -72,6 +72,11 @@ def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config
                           grade=None if exact_match else task.grade, bar=bar)
         if tir_rows:
             result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer,
-                                      config.grpo.max_completion_length, max_model_len(config.rollout, model),
+                                      config.grpo.max_completion_length, engine_model_len(engine, config, model),
                                       e.max_tool_calls, e.tool_timeout_s, e.batch_size, bar=bar)
     return result
+
+
+def engine_model_len(engine, config: Config, model) -> int:
+    """The longest context `engine` serves: its own max_model_len (vLLM), else rollout's setting."""
+    return getattr(engine, "max_model_len", None) or max_model_len(config.rollout, model)

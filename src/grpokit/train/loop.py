@@ -40,7 +40,7 @@ from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharde
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.scoring import row_columns
-from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, request_seeds
+from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.schedule import make_optimizer, warmup_constant
@@ -251,11 +251,14 @@ class Trainer:
         start = time.perf_counter()
         timings = {"perf/rollout_time_s": 0.0, "perf/scoring_time_s": 0.0}
         rollout, result, sampling = self._sample_groups(timings)
+        release = getattr(self.engine, "release_memory", None)
+        if release is not None:  # the update may use the engine's memory; it gets new weights after
+            release(weights_pushed_next=self.engine.copies_weights)
         rollout, loss_mask = self.on_policy_device(rollout, result)
         stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
         t = time.perf_counter()
         if self.engine.copies_weights:  # the next step samples from the updated policy
-            self.engine.sync_weights(self.model, state_dict=self.engine_weights())
+            self.push_weights(self.global_step + 1)
             timings["rollout/sync_time_s"] = time.perf_counter() - t
         else:  # it samples from the policy object itself: only re-point it
             self.engine.sync_weights(self.model)
@@ -292,13 +295,27 @@ class Trainer:
         }
         return distributed.reduce_metrics(record, SUMMED_METRICS, MAXED_METRICS)
 
+    def push_weights(self, step: int) -> None:
+        """Load the policy into a separate engine, then check with its probe (when it has one) that
+        the engine now computes what the policy does; a mismatch stops the run at `step`."""
+        self.engine.sync_weights(self.model, state_dict=self.engine_weights())
+        check = getattr(self.engine, "check_synced", None)
+        if check is None:
+            return
+        try:
+            check(self.model)
+        except WeightSyncError as err:
+            raise WeightSyncError(f"step {step}: the rollout engine did not receive the policy's weights ({err}). "
+                                  f"Last good checkpoint: {self.checkpoints.latest() or 'none yet'}") from None
+
     def engine_weights(self) -> dict | None:
-        """What a separate engine loads after each update: None (the model's own state dict) for a
-        plain policy; the gathered full weights, on every process, for a sharded one; the merged
-        weights (base + adapter) for a LoRA policy."""
-        if is_lora(self.model):
-            return merged_state_dict(self.model, full_state_dict(self.model, everywhere=True))
-        return full_state_dict(self.model, everywhere=True) if is_sharded(self.model) else None
+        """What a separate engine loads after each update: None (the model itself: its state dict,
+        or for a LoRA policy the merged weights the engine computes on the weights' device) for an
+        unsharded policy; the gathered full weights, merged for LoRA, on every process, for a sharded one."""
+        if not is_sharded(self.model):
+            return None
+        state = full_state_dict(self.model, everywhere=True)
+        return merged_state_dict(self.model, state) if is_lora(self.model) else state
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """B groups of G completions, scored. With grpo.dynamic_sampling (DAPO), groups whose
@@ -511,3 +528,5 @@ class Trainer:
         self.load_state_dict(train_state.load_state(Path(checkpoint) / rank_state_file(self.rank)))
         if distributed.is_main():
             truncate_metrics(self.run_dir / "metrics.jsonl", self.global_step)
+        if self.engine.copies_weights:  # the engine was built from the base (LoRA): give it the resumed adapter
+            self.push_weights(self.global_step)
