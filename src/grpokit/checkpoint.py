@@ -290,17 +290,22 @@ class CheckpointManager:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def pointed(self) -> Path | None:
+        """The checkpoint `latest` names, unverified: a link, or the text pointer of older runs."""
+        pointer = self.directory / LATEST
+        if pointer.is_symlink():
+            return self.directory / os.readlink(pointer)
+        if pointer.is_file():
+            return self.directory / pointer.read_text().strip()
+        return None
+
     def latest(self) -> Path | None:
         """The newest intact checkpoint: the one `latest` names if it verifies, else the
         newest step-N that does. Broken ones are reported on stderr and skipped, never deleted."""
         import sys
 
-        candidates: list[Path] = []
-        pointer = self.directory / LATEST
-        if pointer.is_symlink():
-            candidates.append(self.directory / os.readlink(pointer))
-        elif pointer.is_file():  # the text pointer of older runs
-            candidates.append(self.directory / pointer.read_text().strip())
+        pointed = self.pointed()
+        candidates = [pointed] if pointed is not None else []
         candidates += [p for p in self.step_dirs() if p not in candidates]
         for path in candidates:
             problems = verify_checkpoint(path)

@@ -95,12 +95,11 @@ def check_model_directory(name_or_path: str) -> None:
 
 def _checkpoints_hint(run_dir: Path) -> str:
     """Which of a run directory's checkpoints to pass instead (by name only: nothing is verified here)."""
-    from grpokit.checkpoint import LATEST, CheckpointManager
+    from grpokit.checkpoint import CheckpointManager
 
     checkpoints = run_dir / "checkpoints"
-    pointer = checkpoints / LATEST
-    steps = CheckpointManager(checkpoints).step_dirs()
-    latest = checkpoints / pointer.read_text().strip() if pointer.is_file() else (steps[0] if steps else None)
+    manager = CheckpointManager(checkpoints)
+    latest = manager.pointed() or next(iter(manager.step_dirs()), None)
     choices = [f"{latest} (the latest)"] if latest else []
     if (checkpoints / "sft" / "config.json").is_file():
         choices.append(f"{checkpoints / 'sft'} (its pi_SFT)")
