@@ -14,6 +14,9 @@ Steps:
              checkpointing, bf16: peak memory, step time (rollout, log-probs, update), update MFU
   grpo_full  the same, full fine-tune
   vllm       generation throughput hf vs vllm; skipped, with the reason, where `import vllm` fails
+  vllm_grpo  grpo_lora's run with rollout.engine=vllm (engine built from the base, merged weights pushed
+             every step, the sync probe, sleep mode): step and sync times, the engine-vs-trainer log-prob
+             mismatch; skipped where `import vllm` fails
 
 MFU = 6 x N x T / update seconds / peak FLOP/s, with N every parameter of the model (the tied
 embedding counted once, as the LM head's matmul; the lookup costs nothing) and T the prompt +
@@ -47,8 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 480  # the whole check, wheels install included
 # Each step's time limit in seconds; their sum stays within DEADLINE_S (tests/test_gpu_check.py).
 CAPS = {"setup": 30, "demo": 170, "movement": 60, "policy": 30, "grpo_lora": 120, "grpo_full": 70}
-VLLM_CAP = 60  # only where vllm imports; it gets what is left of DEADLINE_S, at most this
-STEPS = (*CAPS, "vllm")
+# Only where vllm imports; each gets what is left of DEADLINE_S, at most this.
+VLLM_CAPS = {"vllm": 60, "vllm_grpo": 120}
+STEPS = (*CAPS, *VLLM_CAPS)
 H200_BF16_FLOPS = 790e12  # dense bf16 matrix products measured on the H200 (8192^3, random data)
 MIN_GAIN_POINTS = 15.0
 PROMPT = "Question {i:04d}: what is {a:02d} + {b:02d}? Think step by step, then put the final answer in \\boxed{{}}."
@@ -94,6 +98,16 @@ PROFILES = {
 def mfu(params: int, tokens: float, seconds: float, peak_flops: float) -> float:
     """Model-FLOPs utilisation of an update: 6 x params x tokens over seconds x peak FLOP/s."""
     return 6.0 * params * tokens / seconds / peak_flops
+
+
+def engine_numbers(rows: list[dict]) -> dict:
+    """A separate engine's medians over the steps after the first: push + sync probe seconds and the
+    engine-vs-trainer log-prob mismatch per token (empty for the hf engine, which logs neither)."""
+    timed = [r for r in rows[1:] if "rollout/sync_time_s" in r]
+    if not timed:
+        return {}
+    return {"sync_s": statistics.median(float(r["rollout/sync_time_s"]) for r in timed),
+            "logp_mismatch": statistics.median(float(r.get("rollout/logp_mismatch", float("nan"))) for r in timed)}
 
 
 def grpo_numbers(rows: list[dict], samples: int, prompt_tokens: int, params: int, peak_flops: float | None) -> dict:
@@ -334,7 +348,9 @@ class Check:
         return (f"random-init Qwen2 {p['size']}: {p['params'] / 1e6:.1f}M parameters, tied embeddings, "
                 f"vocabulary {p['vocab_size']}, prompts of {p['prompt_tokens']} tokens", p)
 
-    def step_grpo(self, name: str, lora: bool) -> tuple[str, dict]:
+    def step_grpo(self, name: str, lora: bool, engine: str = "hf") -> tuple[str, dict]:
+        if engine == "vllm":
+            self._require_vllm()
         policy = self.work / "policy"
         info = policy / "policy.json"
         if not info.is_file():
@@ -353,6 +369,8 @@ class Check:
                  f"--output_dir={run_dir}", "--quiet"]
         if lora:
             train += ["--model.lora.r=16", "--model.lora.alpha=32"]
+        if engine == "vllm":
+            train += ["--rollout.engine=vllm", "--rollout.gpu_memory_utilization=0.3"]
         ran = self.run(name, [self.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                               __file__, "probe", "--peak-json", str(peak_json), "--", *train])
         metrics = run_dir / "metrics.jsonl"
@@ -379,23 +397,29 @@ class Check:
         prof = self.profile
         samples = prof.prompts * prof.generations
         numbers = {**grpo_numbers(rows, samples, policy["prompt_tokens"], policy["params"], self.peak_flops),
+                   **engine_numbers(rows),
                    "peak_allocated_gib": peak["peak_bytes"] / 2**30,
                    "peak_reserved_gib": peak.get("reserved_bytes", 0) / 2**30, "peak_measure": peak["measure"],
                    "lora": lora, "params": policy["params"], "samples_per_step": samples,
                    "completion_length": prof.completion_length}
         mfu_text = f"MFU {numbers['mfu']:.1%}" if numbers["mfu"] is not None else "MFU n/a (no peak FLOP/s given)"
-        line = (f"{'LoRA r=16' if lora else 'full fine-tune'}, {samples} x "
+        engine = (f", vLLM push + sync probe {numbers['sync_s'] * 1e3:.0f} ms, log-prob mismatch "
+                  f"{numbers['logp_mismatch']:.1e}" if "sync_s" in numbers else "")
+        line = (f"{'LoRA r=16' if lora else 'full fine-tune'}{engine}, {samples} x "
                 f"{numbers['completion_mean_length']:.0f} tokens: step {numbers['step_s']:.2f} s (rollout "
                 f"{numbers['rollout_s']:.2f}, log-probs {numbers['logprob_s']:.2f}, update {numbers['update_s']:.2f}; "
                 f"median of {numbers['timed_steps']}), peak {numbers['peak_allocated_gib']:.2f} GiB "
                 f"({peak['measure']}), update {numbers['update_model_tflops']:.2f} TFLOP/s, {mfu_text}")
         return line, numbers
 
-    def step_vllm(self) -> tuple[str, dict]:
+    def _require_vllm(self) -> None:
         probe = run_logged([self.python, "-c", "import vllm; print(vllm.__version__)"], self.log,
                            min(30.0, max(self.remaining(), 0.1)), env=self.env)
         if not probe.ok:
             raise StepSkipped(f"import vllm failed ({probe.why()})")
+
+    def step_vllm(self) -> tuple[str, dict]:
+        self._require_vllm()
         ran = self.run("vllm", [self.python, str(REPO / "benchmarks" / "rollout_engines.py"), "--sizes",
                                 self.profile.policy_size,
                                 "--device", self.device, "--dtype", "bfloat16", "--kv-cache-gb", "4", "--threads", "4"])
@@ -411,7 +435,8 @@ def run_check(check: Check, steps: list[str]) -> dict:
                "deadline_s": check.deadline_s, "work_dir": str(check.work), "steps": {}}
     actions = {"setup": check.step_setup, "demo": check.step_demo, "movement": check.step_movement,
                "policy": check.step_policy, "grpo_lora": lambda: check.step_grpo("grpo_lora", lora=True),
-               "grpo_full": lambda: check.step_grpo("grpo_full", lora=False), "vllm": check.step_vllm}
+               "grpo_full": lambda: check.step_grpo("grpo_full", lora=False), "vllm": check.step_vllm,
+               "vllm_grpo": lambda: check.step_grpo("vllm_grpo", lora=True, engine="vllm")}
     for name in steps:
         start = check.step_started = time.perf_counter()
         with open(check.log, "a") as log:
@@ -569,9 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.steps.split(",")) - set(STEPS) if args.steps else set()
     if unknown:
         parser.error(f"--steps: unknown {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}")
-    if any(s.startswith("grpo_") for s in steps) and "policy" not in steps:
-        steps.insert(steps.index(next(s for s in steps if s.startswith("grpo_"))), "policy")
-    caps = dict(CAPS, vllm=VLLM_CAP)
+    if any(s.startswith(("grpo_", "vllm_grpo")) for s in steps) and "policy" not in steps:
+        steps.insert(steps.index(next(s for s in steps if s.startswith(("grpo_", "vllm_grpo")))), "policy")
+    caps = {**CAPS, **VLLM_CAPS}
     for item in args.cap:
         name, _, value = item.partition("=")
         if name not in caps or not value:

@@ -13,6 +13,8 @@
 #              says what is counted)
 #   grpo_full  the same model full fine-tuned, 2 steps: peak memory, step time, MFU
 #   vllm       hf vs vllm generation throughput, only where `import vllm` works; else SKIP with the reason
+#   vllm_grpo  grpo_lora with rollout.engine=vllm: merged-weight push + sync probe times and the
+#              engine-vs-trainer log-prob mismatch, only where `import vllm` works; else SKIP
 #
 # On the GPU machine (Python 3.12 with torch, transformers, peft, tokenizers, safetensors, pyyaml,
 # tqdm, matplotlib; no pydantic or math-verify, no network):

@@ -36,7 +36,7 @@ import time
 # name -> (hidden, layers, heads, kv heads, intermediate, vocabulary); "char" is the printable-ASCII
 # character vocabulary, an int a character vocabulary of that many tokens (Qwen2-0.5B's size).
 SIZES = {
-    "tiny": (64, 2, 4, 2, 128, "char"),  # the CPU dry run of benchmarks/gpu_check.sh
+    "tiny": (64, 2, 2, 2, 128, "char"),  # the CPU dry run of benchmarks/gpu_check.sh (head_dim 32: vLLM on CPU has no 16)
     "1m": (128, 4, 4, 2, 512, "char"),
     "8m": (256, 8, 8, 4, 1024, "char"),
     "113m": (768, 12, 12, 12, 3072, "char"),

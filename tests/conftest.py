@@ -72,3 +72,16 @@ def seed0_demo(tmp_path_factory):
                            "--quiet"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_demo(tmp_path_factory):
+    """`grpokit demo --rollout.engine=vllm --seed 0`, run once per session (about 10 minutes on two
+    CPU cores): its summary checks the demo's target, and the LoRA and torchrun vLLM runs start RL
+    from its pi_SFT."""
+    out = tmp_path_factory.mktemp("vllm-demo-seed0")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "demo", "--rollout.engine=vllm", "--seed", "0",
+                           "--quiet", "--output-dir", str(out)], capture_output=True, text=True, timeout=3600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -61,6 +61,9 @@ def test_yaml_file_with_trl_names(tmp_path):
          r"rollout.enforce_eager: 'maybe' is not one of \['auto', 'true', 'false'\]"),
         (["--rollout.max_model_len=64", "--grpo.max_completion_length=64"],
          r"rollout.max_model_len=64 leaves no room for a prompt before grpo.max_completion_length=64 tokens: raise it"),
+        (["--rollout.tensor_parallel_size=0"], "rollout.tensor_parallel_size must be >= 1, got 0"),
+        (["--rollout.tensor_parallel_size=2"],
+         r"rollout.tensor_parallel_size=2 applies to rollout.engine=vllm only \(rollout.engine=hf\): set it to 1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

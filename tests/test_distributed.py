@@ -270,6 +270,18 @@ def test_in_one_process_the_collectives_return_their_input():
     distributed.barrier()
 
 
+def test_a_tensor_parallel_size_that_does_not_divide_the_processes_per_node_is_a_config_error():
+    config = Config()
+    config.rollout.engine, config.rollout.tensor_parallel_size = "vllm", 4
+    config.grpo.prompts_per_step = 48
+    check_world_size(config, 16, per_node=8)  # two nodes of 8 GPUs: two engines per node
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=4 does not divide the 6 process\(es\) per "
+                                          r"node .*start torchrun with --nproc_per_node a multiple of 4"):
+        check_world_size(config, 12, per_node=6)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the 1 process\(es\) per node"):
+        check_world_size(config, 1)  # one process: nothing to share an engine with
+
+
 def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
     config = Config()
     config.grpo.prompts_per_step = 6
@@ -279,6 +291,68 @@ def test_a_world_size_that_does_not_divide_the_batch_is_a_config_error():
     config.distributed.fsdp = "off"
     with pytest.raises(ConfigError, match="3 separate models"):
         check_world_size(config, 3)
+
+
+def _push_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """What a vLLM engine receives from an FSDP2 policy (plain and LoRA), taken from the engine's own
+    push path (no vLLM needed for it): each weight whole, one at a time, none kept after the next."""
+    import weakref
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    assert distributed.init(timeout_s=120)
+    try:
+        import grpokit.models.sharding as sharding
+        from grpokit.models.lora import apply_lora, lora_merged_weights
+        from grpokit.rollout.vllm import VLLMEngine, policy_weights
+
+        def whole_model_gathered(*args, **kwargs):
+            raise AssertionError("the push gathered the whole model at once")
+
+        sharding.full_state_dict = whole_model_gathered
+        tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
+        results = {}
+        for lora in (False, True):
+            model = tiny(tokenizer)
+            if lora:
+                model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["all-linear"]))
+                torch.manual_seed(1)
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.data.normal_()  # a non-zero adapter, so merged differs from the base
+            expected = {k: (v() if callable(v) else v).detach().clone() for k, v in policy_weights(model).items()}
+            sharding.shard_model(model)
+            engine = VLLMEngine.__new__(VLLMEngine)  # the push path alone, without starting vLLM
+            engine.tie_word_embeddings, engine.dtype = True, torch.float32
+            engine._weight_names = set(engine._names(policy_weights(model)))
+            pushed, kept_alive, worst, previous = [], 0, 0.0, None
+            for name, tensor in engine._weights_for_vllm(policy_weights(model)):
+                kept_alive += previous is not None and previous() is not None
+                assert type(tensor) is torch.Tensor, f"{name} reached the engine as {type(tensor).__name__}"
+                worst = max(worst, float((tensor - expected[name]).abs().max()))
+                pushed.append(name)
+                previous = weakref.ref(tensor)
+                del tensor
+            results["lora" if lora else "full"] = {"pushed": pushed, "kept_alive": kept_alive, "worst": worst,
+                                                   "expected": sorted(k for k in expected if k != "lm_head.weight")}
+        torch.save(results, os.path.join(out_dir, f"push{rank}.pt"))
+    finally:
+        distributed.shutdown()
+
+
+def test_a_sharded_policy_reaches_the_engine_one_whole_parameter_at_a_time(tmp_path):
+    """The vLLM engine's push from an FSDP2 policy on 2 processes: every weight arrives whole (a plain
+    tensor gathered on its device, LoRA layers merged from their gathered W, A and B) and equal to the
+    unsharded policy's; the previous one is freed before the next is gathered; the whole state dict is
+    never gathered."""
+    mp.spawn(_push_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        for setup, result in torch.load(tmp_path / f"push{rank}.pt").items():
+            print(f"rank {rank} {setup}: {len(result['pushed'])} weights, largest difference {result['worst']:.2e}")
+            assert sorted(result["pushed"]) == result["expected"]  # every weight once, the tied head left out
+            assert result["kept_alive"] == 0
+            assert result["worst"] < 1e-6
 
 
 # --------------------------------------------------------------------------- torchrun end to end

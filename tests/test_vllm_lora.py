@@ -79,10 +79,11 @@ def test_a_resumed_lora_runs_first_rollouts_come_from_the_adapter(tokenizer, cha
     checkpoint = tmp_path / "checkpoints" / "step-4"
     base = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
     base_completions = _greedy(copy.deepcopy(base), tokenizer, PROMPTS)
+    base.save_pretrained(tmp_path / "base")  # model.name_or_path: where run_train's engine reads the base
     resumed = load_lora(base, checkpoint)  # as run_train resumes: the base plus the saved adapter
-    engine = make_engine(ENGINE, resumed, tokenizer)
+    engine = make_engine(ENGINE, resumed, tokenizer, weights_dir=str(tmp_path / "base"))
     try:
-        assert _greedy(engine, tokenizer, PROMPTS) == base_completions  # built from the base
+        assert _greedy(engine, tokenizer, PROMPTS) == base_completions  # built from the base's files
         trainer = _trainer(resumed, tokenizer, chain_rows, tmp_path, engine, max_steps=5)
         trainer.resume_from(checkpoint)
         adapter_completions = _greedy(resumed, tokenizer, PROMPTS)

@@ -274,6 +274,8 @@ class RolloutConfig:
     sleep_mode: bool = opt(True, "vllm on CUDA: free the KV cache during the update (enable_sleep_mode)")
     max_model_len: int = opt(0, "vllm: longest prompt + completion in tokens; 0 = the run's longest prompt + "
                                 "grpo.max_completion_length")
+    tensor_parallel_size: int = opt(1, "vllm under torchrun: processes (GPUs) that share one engine's weights; "
+                                       "must divide the processes per node (torchrun's --nproc_per_node)")
     is_correction: Literal["none", "tis"] = opt(
         "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling), "
                 "for an engine whose log-probs differ from the trainer's")
@@ -613,6 +615,11 @@ def validate(config: Config) -> None:
          "iterative.iterations > 1 resets pi_ref to pi_theta, which LoRA's reference (the base model under the "
          "adapters) cannot follow: use model.lora.r=0"),
         (config.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {config.distributed.timeout_s}"),
+        (config.rollout.tensor_parallel_size >= 1,
+         f"rollout.tensor_parallel_size must be >= 1, got {config.rollout.tensor_parallel_size}"),
+        (config.rollout.tensor_parallel_size == 1 or config.rollout.engine == "vllm",
+         f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} applies to rollout.engine=vllm only "
+         f"(rollout.engine={config.rollout.engine}): set it to 1, or use the vllm engine"),
     ]
     for ok, message in checks:
         if not ok:
@@ -641,8 +648,15 @@ def _check_rewards(config: Config) -> None:
             raise ConfigError(f"rewards[{i}]: {err}") from None
 
 
-def check_world_size(config: Config, world_size: int) -> None:
-    """Multi-process runs (torchrun): checks that need the world size, before any model loads."""
+def check_world_size(config: Config, world_size: int, per_node: int | None = None) -> None:
+    """Multi-process runs (torchrun): checks that need the world size (and `per_node`, the processes
+    on each machine, torchrun's LOCAL_WORLD_SIZE; default all of them), before any model loads."""
+    tp, per_node = config.rollout.tensor_parallel_size, per_node or world_size
+    if tp > 1 and (world_size <= 1 or per_node % tp):
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={tp} does not divide the {per_node if world_size > 1 else 1} "
+            f"process(es) per node of this run: one vLLM engine spans {tp} processes (GPUs) of one machine, so "
+            f"start torchrun with --nproc_per_node a multiple of {tp}, or lower rollout.tensor_parallel_size")
     if world_size <= 1:
         return
     g = config.grpo
@@ -658,7 +672,6 @@ def check_world_size(config: Config, world_size: int) -> None:
         (g.dynamic_sampling, "grpo.dynamic_sampling"),
         (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),
         (config.iterative.iterations > 1, "iterative.iterations > 1"),
-        (config.rollout.engine == "vllm", "rollout.engine=vllm"),
     ]
     for on, key in unsupported:
         if on:

@@ -37,6 +37,14 @@ def env_world_size() -> int:
         return 1
 
 
+def local_world_size() -> int:
+    """The processes on this machine (torchrun's LOCAL_WORLD_SIZE; the world size without it)."""
+    try:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return world_size()
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

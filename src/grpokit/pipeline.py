@@ -20,7 +20,7 @@ import random
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import yaml
@@ -362,8 +362,9 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
         check_sources(sources, config.data.skip_malformed_lines)
     check_reward_model_setup(config)
-    check_world_size(config, distributed.world_size())
-    with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True):
+    check_world_size(config, distributed.world_size(), distributed.local_world_size())
+    with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \
+            ExitStack() as cleanup:
         checkpoint, boundary = _resume_point(config, resume, force)
         run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
@@ -376,6 +377,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         engine = make_engine(config.rollout, model, tokenizer, config.seed,
                              _train_model_len(config, task, tokenizer, rows, heldout),
                              _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))
+        cleanup.callback(engine.close)  # vLLM's own process groups go before torchrun's
         timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from grpokit.config import ConfigError, LoraConfig
 
@@ -125,6 +126,20 @@ def lora_merged_weights(model: torch.nn.Module) -> dict:
 def _merged_weight_fn(module):
     def merged() -> torch.Tensor:
         # in float32, as merged_state_dict: the engine rounds once, to its own dtype
-        delta = sum(module.get_delta_weight(name).float() for name in module.active_adapters if name in module.lora_A)
-        return module.get_base_layer().weight.float() + delta
+        adapters = [name for name in module.active_adapters if name in module.lora_A]
+        base = module.get_base_layer().weight
+        if isinstance(base, DTensor):  # FSDP2 shards: gather W, A and B whole on their device, then merge
+            return _full(base) + sum(_sharded_delta(module, name) for name in adapters)
+        return base.float() + sum(module.get_delta_weight(name).float() for name in adapters)
     return merged
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).float()
+
+
+def _sharded_delta(module, name: str) -> torch.Tensor:
+    """PEFT's get_delta_weight (scaling * B A, transposed for fan_in_fan_out layers) from the
+    gathered A and B of a sharded layer."""
+    delta = _full(module.lora_B[name].weight) @ _full(module.lora_A[name].weight)
+    return (delta.T if module.fan_in_fan_out else delta) * module.scaling[name]

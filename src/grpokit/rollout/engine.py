@@ -31,6 +31,9 @@ class RolloutEngine(Protocol):
     def release_memory(self, weights_pushed_next: bool) -> None:
         """Free what the engine can until its next call (`weights_pushed_next`: a sync comes first)."""
 
+    def close(self) -> None:
+        """Free everything the engine holds; it is not used again."""
+
 
 class WeightSyncError(RuntimeError):
     """The engine does not hold the weights just pushed to it (its sync probe disagrees)."""
@@ -53,6 +56,9 @@ class HFEngine:
         self.model = model
 
     def release_memory(self, weights_pushed_next: bool) -> None:
+        """Nothing to free: the policy is the engine."""
+
+    def close(self) -> None:
         """Nothing to free: the policy is the engine."""
 
 
@@ -108,5 +114,6 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
                           kv_cache_gb=rollout_config.kv_cache_gb, dtype=dtype, seed=seed,
                           enable_sleep_mode=rollout_config.sleep_mode,
                           gpu_memory_utilization=rollout_config.gpu_memory_utilization,
-                          enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir)
+                          enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir,
+                          tensor_parallel_size=rollout_config.tensor_parallel_size)
     return HFEngine(model, tokenizer)

@@ -9,6 +9,19 @@ The engine lives in the trainer's process: vLLM is built with
 VLLM_ENABLE_V1_MULTIPROCESSING=0 so `sync_weights` hands the trainer's tensors to
 vLLM's `reload_weights` without a copy through another process.
 
+Weights at start: from `weights_dir` when the policy lies there unchanged (model.name_or_path),
+else vLLM starts with placeholder weights (load_format="dummy") and the policy's own tensors are
+pushed at once, so nothing is ever re-saved.
+
+Under torchrun every process builds its own engine on its own device, with vLLM's
+"external_launcher" executor joining the process group the trainer already has. Each process
+samples its own groups with its own per-request seeds, so completions do not depend on the world
+size. With tensor_parallel_size = t > 1, t consecutive processes hold one engine's weight shards
+between them: they pool their prompts, all generate the pooled batch, and each keeps its own part.
+A sharded (FSDP2) policy reaches the engine one parameter at a time: each is gathered whole on its
+device (DTensor.full_tensor, a collective every process makes in the same order), handed to vLLM,
+and dropped before the next; never the whole model at once, never through host memory.
+
 Determinism: every completion is its own vLLM request with its own seed (one per
 completion, passed by the caller), so a completion does not depend on which other
 prompts share the batch.
@@ -34,6 +47,7 @@ This is the only module in grpokit that imports vllm.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import random
 import tempfile
@@ -42,8 +56,10 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from grpokit.models.lora import base_state_dict, lora_merged_weights
+from grpokit.models.lora import lora_merged_weights
 from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
 from grpokit.types import Rollout
 
@@ -74,12 +90,13 @@ def _import_vllm():
 class VLLMEngine:
     """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
 
-    model, tokenizer: the Hugging Face policy and its tokenizer. The tokenizer is saved to a
-        temporary directory, and so is the model unless `weights_dir` holds it (then its config
-        only). A PEFT (LoRA) policy gives its base weights (the adapters left out); sync_weights
-        pushes the merged ones.
+    model, tokenizer: the Hugging Face policy (plain, PEFT/LoRA, or FSDP2-sharded) and its
+        tokenizer. The tokenizer and the model's config are saved to a temporary directory. A PEFT
+        (LoRA) policy gives its base weights (the adapters left out); sync_weights pushes the
+        merged ones.
     weights_dir: a local directory whose *.safetensors hold `model`'s current weights exactly
-        (model.name_or_path of a policy just loaded): vLLM loads from there, no copy is written.
+        (model.name_or_path of a policy just loaded): vLLM loads from there. None: vLLM starts
+        from placeholder weights and `model`'s own are pushed before the constructor returns.
     max_model_len: longest prompt + completion, in tokens, a request may have.
     kv_cache_gb: memory for vLLM's KV cache (GiB); None lets vLLM size it from
         gpu_memory_utilization on CUDA, and is CPU_KV_CACHE_GB on CPU.
@@ -89,6 +106,8 @@ class VLLMEngine:
     gpu_memory_utilization: CUDA: the fraction of GPU memory vLLM may take.
     enforce_eager: no CUDA graphs / compilation (faster start, slower decoding on GPU);
         None = True on CPU, False on CUDA.
+    tensor_parallel_size: processes (GPUs) that share one engine's weights; > 1 only under
+        torchrun, dividing the processes per node.
     """
 
     copies_weights = True
@@ -106,6 +125,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool | None = None,
         weights_dir: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
@@ -126,6 +146,14 @@ class VLLMEngine:
         self._asleep: set[str] = set()  # allocations vLLM holds offloaded: "weights", "kv_cache"
         self._weights_discarded = False  # a level-2 sleep dropped them; only a push brings them back
         self._on_cpu = _vllm_platform_is_cpu()
+        # torch's default process group, when the trainer has one, stays the trainer's (see close)
+        self._trainer_group = dist.is_available() and dist.is_initialized()
+        self.launched = self._trainer_group and dist.get_world_size() > 1
+        world = dist.get_world_size() if self.launched else 1
+        if tensor_parallel_size < 1 or world % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide the "
+                             f"{world} process(es) of this run")
+        self.tensor_parallel_size = tensor_parallel_size
         if kv_cache_gb is None and self._on_cpu:
             kv_cache_gb = self.kv_cache_gb = CPU_KV_CACHE_GB
 
@@ -134,16 +162,18 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
         tokenizer.save_pretrained(self._checkpoint_dir.name)
-        self.weights_dir = weights_dir or self._checkpoint_dir.name
-        if weights_dir is None:
-            _save_plain(model, self._checkpoint_dir.name)
-        else:  # vLLM reads a tokenizer directory's config.json too, retrying with waits when it has none
-            model.config.save_pretrained(self._checkpoint_dir.name)
-        self.architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+        # vLLM reads the config from the model directory (and a tokenizer directory's too, retrying
+        # with waits when it has none); the weights come from weights_dir or from the push below.
+        self.architectures = list(getattr(model.config, "architectures", None) or [_architecture(model)])
+        config = copy.copy(model.config)
+        config.architectures = self.architectures
+        config.save_pretrained(self._checkpoint_dir.name)
+        self.weights_dir = weights_dir
         # The names sync_weights must supply: what a checkpoint of this policy holds.
-        self._weight_names = set(self._checkpoint_names(model))
+        self._weight_names = set(self._checkpoint_names() if weights_dir else self._names(policy_weights(model)))
         llm_kwargs = dict(
-            model=self.weights_dir,
+            model=weights_dir or self._checkpoint_dir.name,
+            load_format="auto" if weights_dir else "dummy",
             tokenizer=self._checkpoint_dir.name,
             dtype=dtype,
             seed=seed,
@@ -155,7 +185,10 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep_enabled,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
+            tensor_parallel_size=tensor_parallel_size,
         )
+        if self.launched:  # one engine per process (or per tensor-parallel group), on its own device
+            llm_kwargs["distributed_executor_backend"] = "external_launcher"
         try:
             with _global_rng_preserved():  # vLLM seeds torch/numpy/random of the whole process
                 self.llm = vllm.LLM(**llm_kwargs)
@@ -167,6 +200,9 @@ class VLLMEngine:
             raise explained from err
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
+        self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
+        if weights_dir is None:
+            self.sync_weights(model)  # replace the placeholders with the policy's own weights
 
     # ---- generation ------------------------------------------------------------------
 
@@ -210,14 +246,29 @@ class VLLMEngine:
                     f"max_model_len={self.max_model_len}; raise max_model_len or shorten the prompt"
                 )
 
-        requests = [self._TokensPrompt(prompt_token_ids=ids) for ids in token_lists for _ in range(num_generations)]
-        request_params = [
-            self._request_params(params, None if seeds is None else int(seeds[i])) for i in range(n)
-        ]
-        self._wake(("weights", "kv_cache"))
-        outputs = self.llm.generate(requests, sampling_params=request_params, use_tqdm=False)
-        sampled = [out.outputs[0] for out in outputs]
+        requests = [ids for ids in token_lists for _ in range(num_generations)]
+        request_seeds = [None if seeds is None else int(seeds[i]) for i in range(n)]
+        sampled = self._generate_pooled(requests, request_seeds, params)
         return self._build_rollout(prompts, num_generations, enc, sampled, rows)
+
+    def _generate_pooled(self, requests: list[list[int]], seeds: list[int | None], params: SamplingParams) -> list:
+        """vLLM's outputs for this process's requests. Under tensor parallelism the processes of one
+        group hold one engine between them and must submit the same batch: they pool their requests,
+        generate them all, and each keeps its own (per-request seeds make that exact)."""
+        mine = slice(0, len(requests))
+        if self._tp_group is not None:
+            pooled: list = [None] * dist.get_world_size(self._tp_group)
+            dist.all_gather_object(pooled, (requests, seeds), group=self._tp_group)
+            rank = dist.get_rank(self._tp_group)
+            first = sum(len(r) for r, _ in pooled[:rank])
+            mine = slice(first, first + len(requests))
+            requests = [ids for r, _ in pooled for ids in r]
+            seeds = [seed for _, s in pooled for seed in s]
+        self._wake(("weights", "kv_cache"))
+        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=ids) for ids in requests],
+                                    sampling_params=[self._request_params(params, seed) for seed in seeds],
+                                    use_tqdm=False)
+        return [out.outputs[0] for out in outputs[mine]]
 
     def _request_params(self, params: SamplingParams, seed: int | None):
         greedy = params.temperature == 0
@@ -265,14 +316,13 @@ class VLLMEngine:
     def sync_weights(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy the policy's current weights into vLLM and drop its now-stale prefix cache.
 
-        state_dict: weights to push instead of model.state_dict(), named as in the plain
-        Hugging Face model. A PEFT (LoRA) model without one pushes its merged weights
-        (lora_merged_weights). Sets `last_sync_s`.
+        state_dict: weights to push instead of `policy_weights(model)`, named as in the plain
+        Hugging Face model (a value may be a zero-argument function making the tensor). Under
+        torchrun every process calls this (a sharded policy's parameters are gathered one by one).
+        Sets `last_sync_s`.
         """
         start = time.perf_counter()
-        if state_dict is None:
-            state_dict = lora_merged_weights(model) if hasattr(model, "peft_config") else model.state_dict()
-        weights = self._weights_for_vllm(state_dict)
+        weights = self._weights_for_vllm(policy_weights(model) if state_dict is None else state_dict)
         self._wake(("weights",))
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -288,16 +338,22 @@ class VLLMEngine:
         self._weights_discarded = False
         self.last_sync_s = time.perf_counter() - start
 
-    def _weights_for_vllm(self, state_dict: Mapping[str, torch.Tensor]):
-        """(name, tensor) pairs for vLLM, made one at a time: a LoRA layer's merged weight exists
-        only while vLLM copies it. The names are checked before anything is pushed."""
+    def _names(self, state_dict: Mapping[str, object]) -> dict[str, object]:
+        """`state_dict` under the names a checkpoint of the plain model uses: wrapper prefixes
+        dropped, and a tied lm_head left out (it is the embedding; vLLM shares it already)."""
         weights = {}
         for name, tensor in state_dict.items():
             for prefix in _WRAPPER_PREFIXES:
                 name = name.removeprefix(prefix)
-            if name not in self._weight_names and self._is_tied_head(name):
-                continue  # a tied lm_head is the embedding; vLLM shares it already
-            weights[name] = tensor
+            if not (self._is_tied_head(name) and name not in getattr(self, "_weight_names", ())):
+                weights[name] = tensor
+        return weights
+
+    def _weights_for_vllm(self, state_dict: Mapping[str, torch.Tensor]):
+        """(name, tensor) pairs for vLLM, made one at a time: a LoRA layer's merged weight, or a
+        sharded parameter gathered whole, exists only while vLLM copies it. The names are checked
+        before anything is pushed."""
+        weights = self._names(state_dict)
         missing = sorted(self._weight_names - weights.keys())
         unknown = sorted(weights.keys() - self._weight_names)
         if missing or unknown:
@@ -313,6 +369,8 @@ class VLLMEngine:
 
     def _as_engine_tensor(self, value) -> torch.Tensor:
         tensor = (value() if callable(value) else value).detach()
+        if isinstance(tensor, DTensor):  # an FSDP2 shard: gathered whole on its own device
+            tensor = tensor.full_tensor()
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     # ---- the sync probe ------------------------------------------------------------------
@@ -346,7 +404,7 @@ class VLLMEngine:
     def _is_tied_head(self, name: str) -> bool:
         return self.tie_word_embeddings and name.endswith("lm_head.weight")
 
-    def _checkpoint_names(self, model: torch.nn.Module) -> list[str]:
+    def _checkpoint_names(self) -> list[str]:
         from safetensors import safe_open
 
         names = []
@@ -355,7 +413,7 @@ class VLLMEngine:
                 with safe_open(os.path.join(self.weights_dir, file), framework="pt") as handle:
                     names.extend(handle.keys())
         if not names:
-            raise RuntimeError(f"saving {type(model).__name__} wrote no safetensors weights; vLLM cannot load it")
+            raise RuntimeError(f"{self.weights_dir} holds no safetensors weights; vLLM cannot load it")
         return names
 
     # ---- memory --------------------------------------------------------------------------
@@ -387,7 +445,8 @@ class VLLMEngine:
         """Free vLLM's memory and the temporary checkpoint."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            with _default_process_group_kept() if self._trainer_group else contextlib.nullcontext():
+                llm.llm_engine.engine_core.shutdown()
             del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -426,12 +485,26 @@ def sleep_level(weights_pushed_next: bool) -> int:
     return 2 if weights_pushed_next else 1
 
 
-def _save_plain(model: torch.nn.Module, directory: str) -> None:
-    """`model` as from_pretrained loads it; a PEFT model as its base model alone."""
-    if hasattr(model, "peft_config"):
-        model.get_base_model().save_pretrained(directory, safe_serialization=True, state_dict=base_state_dict(model))
-    else:
-        model.save_pretrained(directory, safe_serialization=True)
+def policy_weights(model: torch.nn.Module) -> Mapping[str, object]:
+    """What an engine holding the plain model receives from `model`: its state dict, or for a PEFT
+    (LoRA) model the merged weights (lora_merged_weights: each adapted layer's W + delta made on
+    demand). A sharded model's values are its DTensor shards, gathered when pushed."""
+    return lora_merged_weights(model) if hasattr(model, "peft_config") else model.state_dict()
+
+
+def _architecture(model: torch.nn.Module) -> str:
+    """The transformers class name of `model` (under a PEFT wrapper, without FSDP2's FSDP prefix)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    return next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _tensor_parallel_group():
+    """The CPU (gloo) process group of this process's tensor-parallel engine, as vLLM built it."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
 
 
 def _policy_probe_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
@@ -447,6 +520,23 @@ def _policy_probe_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torc
     finally:
         model.train(was_training)
     return logp[0].float().cpu()
+
+
+@contextlib.contextmanager
+def _default_process_group_kept():
+    """vLLM's shutdown destroys torch's default process group too; under torchrun that group is the
+    trainer's, so only vLLM's own groups may go."""
+    destroy = dist.destroy_process_group
+
+    def destroy_own(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_own
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 @contextlib.contextmanager

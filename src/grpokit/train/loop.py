@@ -296,9 +296,10 @@ class Trainer:
         return distributed.reduce_metrics(record, SUMMED_METRICS, MAXED_METRICS)
 
     def push_weights(self, step: int) -> None:
-        """Load the policy into a separate engine, then check with its probe (when it has one) that
+        """Load the policy into a separate engine (a sharded one parameter at a time, gathered on
+        its device; every process calls this), then check with its probe (when it has one) that
         the engine now computes what the policy does; a mismatch stops the run at `step`."""
-        self.engine.sync_weights(self.model, state_dict=self.engine_weights())
+        self.engine.sync_weights(self.model)
         check = getattr(self.engine, "check_synced", None)
         if check is None:
             return
@@ -307,15 +308,6 @@ class Trainer:
         except WeightSyncError as err:
             raise WeightSyncError(f"step {step}: the rollout engine did not receive the policy's weights ({err}). "
                                   f"Last good checkpoint: {self.checkpoints.latest() or 'none yet'}") from None
-
-    def engine_weights(self) -> dict | None:
-        """What a separate engine loads after each update: None (the model itself: its state dict,
-        or for a LoRA policy the merged weights the engine computes on the weights' device) for an
-        unsharded policy; the gathered full weights, merged for LoRA, on every process, for a sharded one."""
-        if not is_sharded(self.model):
-            return None
-        state = full_state_dict(self.model, everywhere=True)
-        return merged_state_dict(self.model, state) if is_lora(self.model) else state
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """B groups of G completions, scored. With grpo.dynamic_sampling (DAPO), groups whose
