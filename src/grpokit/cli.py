@@ -76,7 +76,12 @@ def config_keys_help(demo: bool) -> str:
     from grpokit.rewards.registry import reward_names
 
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
-    notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')"}
+    from grpokit.math import IS_CORRECTIONS, POLICY_LOSSES
+
+    notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')",
+             "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
+             "rollout.is_correction": f"(registered: none, {', '.join(sorted(IS_CORRECTIONS))}; or "
+                                      f"'package.module:name')"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
             + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 

@@ -176,6 +176,10 @@ class GRPOConfig:
     )
     importance_sampling_level: Literal["token", "sequence"] = opt(
         "token", "token = eq. 3's per-token ratio; sequence = GSPO's length-normalised sequence ratio")
+    loss: str = opt("clip", "the policy loss, by registered name: clip = eq. 3's clipped surrogate; cispo = "
+                            "MiniMax-M1's clipped detached weight x A x logp (every token keeps a gradient)")
+    loss_args: dict[str, Any] = opt({}, "arguments of grpo.loss, e.g. cispo: {eps_low: 1.0, eps_high: 0.28} "
+                                        "(the defaults: no lower bound)")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample fresh questions "
                                         "until the step holds prompts_per_step groups with a spread")
     max_generation_rounds: int = opt(4, "dynamic sampling: most sampling rounds per step; then it trains on what it has")
@@ -276,10 +280,13 @@ class RolloutConfig:
                                 "grpo.max_completion_length")
     tensor_parallel_size: int = opt(1, "vllm under torchrun: processes (GPUs) that share one engine's weights; "
                                        "must divide the processes per node (torchrun's --nproc_per_node)")
-    is_correction: Literal["none", "tis"] = opt(
-        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling), "
+    is_correction: str = opt(
+        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling); "
+                "icepop: drop the policy term of tokens whose pi_old / pi_sampler leaves [low, high] (is_args); "
                 "for an engine whose log-probs differ from the trainer's")
     is_cap: float = opt(2.0, "the cap C of the TIS weight")
+    is_args: dict[str, Any] = opt({}, "arguments of rollout.is_correction besides is_cap, e.g. icepop: "
+                                      "{low: 0.5, high: 2.0} (the defaults)")
 
 
 @dataclass
@@ -624,6 +631,7 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_loss_pieces(config)
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed: on a GPU machine pip install "
                           "'grpokit[vllm]'; on CPU build its own venv with `make .venv-vllm` (or use rollout.engine=hf)")
@@ -634,6 +642,26 @@ def validate(config: Config) -> None:
     except TrackerError as err:
         raise ConfigError(str(err)) from None
     _check_rewards(config)
+
+
+def _check_loss_pieces(config: Config) -> None:
+    """grpo.loss and rollout.is_correction name registered pieces, and their arguments suit them."""
+    from grpokit.math import registry
+
+    try:
+        registry.check_args(registry.policy_loss(config.grpo.loss), config.grpo.loss_args, "grpo.loss_args")
+        if config.grpo.loss != "clip" and config.grpo.importance_sampling_level != "token":
+            raise ValueError(f"grpo.importance_sampling_level={config.grpo.importance_sampling_level} applies to "
+                             f"grpo.loss=clip; grpo.loss={config.grpo.loss} uses per-token ratios: set it to token")
+        r = config.rollout
+        if r.is_correction != "none":
+            args = {**({"cap": r.is_cap} if r.is_correction == "tis" else {}), **r.is_args}
+            registry.check_args(registry.is_correction(r.is_correction), args, "rollout.is_args")
+        elif r.is_args:
+            raise ValueError(f"rollout.is_args={r.is_args} but rollout.is_correction=none: name the correction "
+                             f"they are for, or drop them")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_rewards(config: Config) -> None:
