@@ -76,10 +76,11 @@ def config_keys_help(demo: bool) -> str:
     from grpokit.rewards.registry import reward_names
 
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
-    from grpokit.math import IS_CORRECTIONS, POLICY_LOSSES
+    from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
 
     notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')",
              "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
+             "grpo.advantage": f"(registered: {', '.join(sorted(ADVANTAGES))}; or 'package.module:name')",
              "rollout.is_correction": f"(registered: none, {', '.join(sorted(IS_CORRECTIONS))}; or "
                                       f"'package.module:name')"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"

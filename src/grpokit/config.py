@@ -184,6 +184,8 @@ class GRPOConfig:
                                         "until the step holds prompts_per_step groups with a spread")
     max_generation_rounds: int = opt(4, "dynamic sampling: most sampling rounds per step; then it trains on what it has")
     scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
+    advantage: str = opt("grpo", "the outcome advantage estimator, by registered name: grpo = eq. 5's group-normalised "
+                                 "reward; rloo = r minus the mean of the group's other rewards")
     mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
     temperature: float = opt(0.7, "sampling temperature of the rollouts (the policy trained is the tempered one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
@@ -266,7 +268,7 @@ class IterativeConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = opt("hf", "what samples completions: hf (transformers' generate) or vllm "
+    engine: str = opt("hf", "what samples completions, by registered name: hf (transformers' generate) or vllm "
                                               "(a colocated vLLM engine, synced after every optimizer step)")
     kv_cache_gb: Optional[float] = opt(None, "vllm: memory its KV cache may take, in GiB; unset = on CUDA what "
                                              "gpu_memory_utilization leaves after the weights, on CPU 1 GiB")
@@ -624,17 +626,12 @@ def validate(config: Config) -> None:
         (config.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {config.distributed.timeout_s}"),
         (config.rollout.tensor_parallel_size >= 1,
          f"rollout.tensor_parallel_size must be >= 1, got {config.rollout.tensor_parallel_size}"),
-        (config.rollout.tensor_parallel_size == 1 or config.rollout.engine == "vllm",
-         f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} applies to rollout.engine=vllm only "
-         f"(rollout.engine={config.rollout.engine}): set it to 1, or use the vllm engine"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
     _check_loss_pieces(config)
-    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm but vllm is not installed: on a GPU machine pip install "
-                          "'grpokit[vllm]'; on CPU build its own venv with `make .venv-vllm` (or use rollout.engine=hf)")
+    _check_engine(config.rollout)
     if config.model.lora.r > 0 and importlib.util.find_spec("peft") is None:
         raise ConfigError("model.lora.r > 0 needs peft: pip install 'grpokit[peft]'")
     try:
@@ -644,12 +641,31 @@ def validate(config: Config) -> None:
     _check_rewards(config)
 
 
+def _check_engine(rollout: RolloutConfig) -> None:
+    """rollout.engine names a registered engine whose package is installed, and the engine keys suit it."""
+    from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
+
+    try:
+        spec = engine_spec(rollout.engine)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise ConfigError(f"rollout.engine={spec.name} but {spec.package} is not installed: {spec.install} "
+                          f"(or use rollout.engine=hf)")
+    if rollout.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        tp_engines = sorted(name for name, other in ENGINES.items() if other.tensor_parallel)
+        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} applies to rollout.engine="
+                          f"{' or '.join(tp_engines)} only (rollout.engine={rollout.engine}): set it to 1, or use "
+                          f"the {' or '.join(tp_engines)} engine")
+
+
 def _check_loss_pieces(config: Config) -> None:
     """grpo.loss and rollout.is_correction name registered pieces, and their arguments suit them."""
     from grpokit.math import registry
 
     try:
         registry.check_args(registry.policy_loss(config.grpo.loss), config.grpo.loss_args, "grpo.loss_args")
+        registry.advantage(config.grpo.advantage)
         if config.grpo.loss != "clip" and config.grpo.importance_sampling_level != "token":
             raise ValueError(f"grpo.importance_sampling_level={config.grpo.importance_sampling_level} applies to "
                              f"grpo.loss=clip; grpo.loss={config.grpo.loss} uses per-token ratios: set it to token")

@@ -25,10 +25,12 @@ from grpokit.math.losses import (
     value_loss,
 )
 from grpokit.math.registry import (
+    ADVANTAGES,
     IS_CORRECTIONS,
     POLICY_LOSSES,
     LossSettings,
     PolicyTerm,
+    register_advantage,
     register_is_correction,
     register_policy_loss,
 )
@@ -38,6 +40,7 @@ for _module in _pkgutil.iter_modules(__path__):  # registrations: losses, correc
     _importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
+    "ADVANTAGES",
     "AGGREGATIONS",
     "DEFAULT_IS_CAP",
     "IMPORTANCE_LEVELS",
@@ -55,6 +58,7 @@ __all__ = [
     "masked_outcome_advantages",
     "outcome_advantages",
     "process_advantages",
+    "register_advantage",
     "register_is_correction",
     "register_policy_loss",
     "step_bce_loss",

@@ -2,8 +2,9 @@
 
 A policy loss turns per-token log-probs into the per-token policy term that `grpo_loss`
 aggregates; an importance-sampling correction turns the detached ratio pi_old / pi_sampler of
-each token into the weight that multiplies it. `grpo.loss` and `rollout.is_correction` name
-them, `grpo.loss_args` and `rollout.is_args` hold their arguments. Adding one is one new module
+each token into the weight that multiplies it; an advantage estimator turns a group's rewards
+into advantages. `grpo.loss`, `rollout.is_correction` and `grpo.advantage` name them,
+`grpo.loss_args` and `rollout.is_args` hold their arguments. Adding one is one new module
 in this package (every module of grpokit.math is imported with the package) or in the user's
 own, named by import path as `package.module:name`:
 
@@ -56,6 +57,7 @@ class Registered:
 
 POLICY_LOSSES: dict[str, Registered] = {}
 IS_CORRECTIONS: dict[str, Registered] = {}
+ADVANTAGES: dict[str, Registered] = {}
 
 
 def _register(table: dict, kind: str, name: str, check):
@@ -79,6 +81,13 @@ def register_is_correction(name: str, check: Callable[[Mapping], None] | None = 
     exp(old_logp - sampling_logp) [N, T]; weight [N, T] multiplies each token's policy term; stats
     are detached scalars (shares of tokens) that the trainer logs as rollout/<key>."""
     return _register(IS_CORRECTIONS, "importance-sampling correction", name, check)
+
+
+def register_advantage(name: str, check: Callable[[Mapping], None] | None = None):
+    """Register `fn(rewards [N], valid [N] bool, group_size, scale: bool) -> advantages [N]` as `name`:
+    outcome advantages of groups of `group_size` contiguous samples; an invalid sample (its reward
+    failed) gets 0 and takes no part in its group's statistics."""
+    return _register(ADVANTAGES, "advantage estimator", name, check)
 
 
 def _lookup(table: dict, kind: str, key: str, name: str) -> Registered:
@@ -106,6 +115,10 @@ def policy_loss(name: str) -> Registered:
 
 def is_correction(name: str) -> Registered:
     return _lookup(IS_CORRECTIONS, "importance-sampling correction", "rollout.is_correction", name)
+
+
+def advantage(name: str) -> Registered:
+    return _lookup(ADVANTAGES, "advantage estimator", "grpo.advantage", name)
 
 
 def check_args(entry: Registered, args: Mapping, key: str) -> None:

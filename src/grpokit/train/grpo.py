@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from grpokit.config import GRPOConfig
-from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantages
+from grpokit.math import grpo_loss, process_advantages
+from grpokit.math.registry import advantage as registered_advantage
 from grpokit.models.lora import as_module
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
@@ -141,8 +142,8 @@ class GRPO(Algorithm):
         [N, T] process advantages (eq. 6) of its step scores, plus the outcome advantages of
         any rule-based rewards configured beside it. On the rewards' device (the CPU)."""
         cfg = self.config
-        outcome = masked_outcome_advantages(result.total.float(), result.valid, cfg.num_generations,
-                                            scale=cfg.scale_rewards)
+        estimator = registered_advantage(cfg.advantage).function
+        outcome = estimator(result.total.float(), result.valid, cfg.num_generations, cfg.scale_rewards)
         if self.process_reward is None:
             return outcome
         token_adv = step_advantages(self.trainer.tokenizer, rollout.completion_ids.cpu(), rollout.completion_lengths.cpu(),
