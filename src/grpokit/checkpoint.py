@@ -28,19 +28,15 @@ import shutil
 from pathlib import Path
 
 from grpokit import distributed
+from grpokit.models import checkpoint_dirs
+from grpokit.models.checkpoint_dirs import LATEST, MASTER_DIR, master_weights_dir, step_number
+from grpokit.models.lora import is_lora
+from grpokit.models.precision import compute_dtype, compute_dtype_state
+from grpokit.models.sharding import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
-LATEST = "latest"
-MASTER_DIR = "master"  # fp32 master weights of a mixed-precision run
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_STATE = re.compile(r"^trainer_state\.rank(\d+)\.pt$")
-
-
-def step_number(name: str) -> int | None:
-    """N of a `step-N` checkpoint directory's name; None for any other name."""
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
 
 
 def rank_state_file(rank: int) -> str:
@@ -133,9 +129,6 @@ def save_model_files(model, tokenizer, directory: Path, state_dict=None) -> None
     written in its compute dtype, which is what it runs in, and its fp32 master weights go to
     master/ beside it (a Hugging Face checkpoint of their own), from which a resume or a later
     stage continues exactly."""
-    from grpokit.models.lora import is_lora
-    from grpokit.models.precision import compute_dtype, compute_dtype_state
-
     dtype = compute_dtype(model)
     kwargs = {"state_dict": state_dict} if state_dict is not None else {}
     mixed = dtype is not None and not is_lora(model) and _weights_dtype(model, state_dict) != dtype
@@ -162,12 +155,6 @@ def _set_config_dtype(config_file: Path, dtype) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def master_weights_dir(directory: str | Path) -> Path | None:
-    """The fp32 master weights saved beside a checkpoint's compute-dtype weights, if any."""
-    master = Path(directory) / MASTER_DIR
-    return master if (master / "config.json").is_file() else None
-
-
 def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=None, state_dict=None) -> Path:
     """Write model + tokenizer (+ `extra(tmp_dir)` for more files) to `path` atomically.
 
@@ -178,8 +165,6 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra=None, rank_extra=N
     the temp directory is removed, whatever was at `path` before is left as it was, and every
     process raises a CheckpointError that says what happened.
     """
-    from grpokit.models.sharding import full_state_dict, is_sharded
-
     final = Path(path)
     main = distributed.is_main()
     tmp = final.with_name(f".{final.name}.tmp-{distributed.broadcast_object(os.getpid())}")
@@ -251,10 +236,7 @@ class CheckpointManager:
 
     def step_dirs(self) -> list[Path]:
         """Completed step-N directories, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name))]
-        return [p for _, p in sorted(found, reverse=True)]
+        return checkpoint_dirs.step_dirs(self.directory)
 
     def save(self, step: int, model, tokenizer, extra=None, rank_extra=None, state_dict=None) -> Path:
         path = save_checkpoint(model, tokenizer, self.directory / f"step-{step}", extra, rank_extra, state_dict)
@@ -292,12 +274,7 @@ class CheckpointManager:
 
     def pointed(self) -> Path | None:
         """The checkpoint `latest` names, unverified: a link, or the text pointer of older runs."""
-        pointer = self.directory / LATEST
-        if pointer.is_symlink():
-            return self.directory / os.readlink(pointer)
-        if pointer.is_file():
-            return self.directory / pointer.read_text().strip()
-        return None
+        return checkpoint_dirs.pointed(self.directory)
 
     def latest(self) -> Path | None:
         """The newest intact checkpoint: the one `latest` names if it verifies, else the

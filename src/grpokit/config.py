@@ -20,6 +20,7 @@ import pydantic
 import yaml
 
 from grpokit.loggers import TrackerError, check_trackers
+from grpokit.math import registry
 
 
 class ConfigError(ValueError):
@@ -638,7 +639,8 @@ def validate(config: Config) -> None:
         check_trackers(config.report_to)  # a missing tracker package, before any model loads
     except TrackerError as err:
         raise ConfigError(str(err)) from None
-    _check_rewards(config)
+    for check in _REGISTERED_CHECKS:
+        check(config)
 
 
 def _check_engine(rollout: RolloutConfig) -> None:
@@ -661,8 +663,6 @@ def _check_engine(rollout: RolloutConfig) -> None:
 
 def _check_loss_pieces(config: Config) -> None:
     """grpo.loss and rollout.is_correction name registered pieces, and their arguments suit them."""
-    from grpokit.math import registry
-
     try:
         registry.check_args(registry.policy_loss(config.grpo.loss), config.grpo.loss_args, "grpo.loss_args")
         registry.advantage(config.grpo.advantage)
@@ -680,16 +680,16 @@ def _check_loss_pieces(config: Config) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _check_rewards(config: Config) -> None:
-    """Every reward names a function that exists and can be made, before any model loads (a typo
-    would otherwise surface only after the policy has loaded, minutes in for a 7B model)."""
-    from grpokit.rewards.registry import reward_function
+# Checks of names that only a module above config can resolve (rewards/registry.py: the reward
+# functions), run last by validate. Each registers itself on import; grpokit/__init__.py imports
+# them, so every load_config runs them, before any model loads.
+_REGISTERED_CHECKS: list[typing.Callable[[Config], None]] = []
 
-    for i, reward in enumerate(config.rewards):
-        try:
-            reward_function(reward.name, reward.args)
-        except ValueError as err:
-            raise ConfigError(f"rewards[{i}]: {err}") from None
+
+def register_check(check: typing.Callable[[Config], None]) -> typing.Callable[[Config], None]:
+    """Decorator: validate ends with `check(config)`, which raises ConfigError on a bad value."""
+    _REGISTERED_CHECKS.append(check)
+    return check
 
 
 def check_world_size(config: Config, world_size: int, per_node: int | None = None) -> None:

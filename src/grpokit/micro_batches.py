@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from grpokit import distributed
+from grpokit.config import ConfigError
+
 
 def split_by_tokens(lengths: torch.Tensor, max_tokens: int | None, max_rows: int | None = None,
                     key: str = "max_tokens_per_micro_batch", lockstep: bool = False) -> list[torch.Tensor]:
@@ -34,8 +37,6 @@ def split_by_tokens(lengths: torch.Tensor, max_tokens: int | None, max_rows: int
     order = values.argsort(stable=True)
     if max_tokens is not None and n and int(values.max()) > max_tokens:
         longest = int(values.max())
-        from grpokit.config import ConfigError
-
         raise ConfigError(f"{key}={max_tokens} is smaller than the longest row, {longest} tokens: "
                           f"set {key} to at least {longest}")
     groups: list[list[int]] = []
@@ -57,8 +58,6 @@ def _same_count(groups: list[torch.Tensor], lockstep: bool) -> list[torch.Tensor
     """`groups` split further until every process holds as many as the one with the most."""
     if not lockstep:
         return groups
-    from grpokit import distributed
-
     return split_until(groups, distributed.all_reduce_max(len(groups)))
 
 
@@ -74,3 +73,14 @@ def split_until(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
         half = (len(groups[i]) + 1) // 2
         groups[i : i + 1] = [groups[i][:half], groups[i][half:]]
     return groups
+
+
+def attended_ends(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N] one past each row's last attended column (0 for a row with none)."""
+    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask.bool() * columns).amax(dim=1)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding, matching what `generate` uses while sampling."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

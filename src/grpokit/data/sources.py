@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable
 
+from grpokit.data.answers import gsm8k_reference, math_reference
 from grpokit.data.files import (
     TRAINING_FIXES,
     DatasetError,
@@ -69,8 +70,6 @@ def reference_answer(row: dict, fmt: str, answer_column: str) -> str:
     """A row's reference answer; ValueError saying why when it has none that can be read."""
     if fmt == "plain":
         return str(row[answer_column])
-    from grpokit.rewards.answers import gsm8k_reference, math_reference
-
     if fmt == "gsm8k":
         return gsm8k_reference(str(row[answer_column]))
     return math_reference(str(row["solution"]), row.get("answer"))

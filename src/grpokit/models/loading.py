@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from grpokit.config import ConfigError
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
+from grpokit.models import checkpoint_dirs
+from grpokit.models.checkpoint_dirs import master_weights_dir
+from grpokit.models.precision import resolve_dtype, resolve_precision, set_compute_dtype
 
 
 class ModelNotFound(ValueError):
@@ -60,14 +60,6 @@ def check_model_config(config) -> None:
     check_model_directory(config.model.name_or_path)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
 ADAPTER_CONFIG = "adapter_config.json"
 # How to make a LoRA adapter loadable when its base model is not at hand.
 ADAPTER_FIX = ("train with model.lora.save_merged=true to get a merged/ model, or set adapter_config.json's "
@@ -95,11 +87,8 @@ def check_model_directory(name_or_path: str) -> None:
 
 def _checkpoints_hint(run_dir: Path) -> str:
     """Which of a run directory's checkpoints to pass instead (by name only: nothing is verified here)."""
-    from grpokit.checkpoint import CheckpointManager
-
     checkpoints = run_dir / "checkpoints"
-    manager = CheckpointManager(checkpoints)
-    latest = manager.pointed() or next(iter(manager.step_dirs()), None)
+    latest = checkpoint_dirs.pointed(checkpoints) or next(iter(checkpoint_dirs.step_dirs(checkpoints)), None)
     choices = [f"{latest} (the latest)"] if latest else []
     if (checkpoints / "sft" / "config.json").is_file():
         choices.append(f"{checkpoints / 'sft'} (its pi_SFT)")
@@ -161,9 +150,6 @@ def load_model_and_tokenizer(
     masked out, so this never changes what the model learns.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grpokit.checkpoint import master_weights_dir
-    from grpokit.models.precision import resolve_precision, set_compute_dtype
 
     dev = resolve_device(device)
     check_model_directory(name_or_path)

@@ -25,9 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from grpokit.config import ConfigError
+
 # The attribute a model carries its compute dtype in (set by `set_compute_dtype`); copies made
 # with copy.deepcopy keep it.
 _COMPUTE_DTYPE_ATTR = "grpokit_compute_dtype"
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,17 @@ class Precision:
         return f"{name[self.compute]} compute, {name[self.master]} master weights and optimizer state"
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def resolve_precision(dtype: str, master_dtype: str, device: torch.device) -> Precision:
     """model.dtype and model.master_dtype on `device` as a Precision; a dtype the device cannot run
     is a ConfigError naming the key and what to set."""
-    from grpokit.config import ConfigError
-    from grpokit.models.loading import resolve_dtype
-
     compute = resolve_dtype(dtype, device)
     if compute == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"model.dtype={dtype} but {torch.cuda.get_device_name(device)} has no bf16 support; "
@@ -75,12 +84,23 @@ def compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return getattr(model, _COMPUTE_DTYPE_ATTR, None)
 
 
+def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
+    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(fsdp_root(model), FSDPModule)
+
+
 def compute_autocast(model: torch.nn.Module):
     """A context for running `model`'s forward: `torch.autocast` to the model's compute dtype when
     some of its weights are wider (fp32 master weights, LoRA adapters), else a no-op. A sharded
     (FSDP2) model casts through its MixedPrecisionPolicy instead."""
-    from grpokit.models.sharding import is_sharded
-
     dtype = compute_dtype(model)
     if dtype is None or dtype == torch.float32 or is_sharded(model):
         return contextlib.nullcontext()

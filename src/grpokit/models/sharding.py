@@ -20,21 +20,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from grpokit import distributed
+from grpokit.config import ConfigError
+from grpokit.models.precision import compute_dtype, fsdp_root, is_sharded
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
-
-
-def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
-    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(fsdp_root(model), FSDPModule)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -53,13 +42,9 @@ def mixed_precision_policy(model: torch.nn.Module):
     weights'; else none. fp16 is refused: FSDP2 has no loss scaling for it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from grpokit.models.precision import compute_dtype
-
     held = next(model.parameters()).dtype
     compute = compute_dtype(model) or held
     if torch.float16 in (compute, held):
-        from grpokit.config import ConfigError
-
         raise ConfigError("model.dtype=fp16 cannot train under FSDP2 (no loss scaling): set model.dtype=bf16")
     if compute == held:
         return MixedPrecisionPolicy()
@@ -177,8 +162,6 @@ def grad_norm_value(norm) -> torch.Tensor:
 def world_sharding(config_fsdp: str) -> bool:
     """Whether to shard: distributed.fsdp 'on', or 'auto' in a multi-process run."""
     if config_fsdp == "on" and not distributed.is_initialized():
-        from grpokit.config import ConfigError
-
         raise ConfigError("distributed.fsdp=on needs a process group: start the run with torchrun "
                           "(torchrun --nproc_per_node=1 -m grpokit ... for one process)")
     return config_fsdp == "on" or (config_fsdp == "auto" and distributed.world_size() > 1)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from grpokit.micro_batches import attended_ends, position_ids_for, split_by_tokens
+from grpokit.models.lora import is_lora, merged_state_dict
 from grpokit.models.precision import compute_dtype, in_compute_dtype, set_compute_dtype
+from grpokit.models.sharding import full_state_dict, is_sharded
 
 
 def trained_dtype(policy: torch.nn.Module) -> torch.dtype:
@@ -28,9 +31,6 @@ def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Mod
     config.problem_type = "regression"
     config.classifier_dropout = 0.0  # scores must not be noisy; HF's default would be 0.1
     model = auto_class.from_config(config).to(device=device, dtype=trained_dtype(policy))
-    from grpokit.models.lora import is_lora, merged_state_dict
-    from grpokit.models.sharding import full_state_dict
-
     # a sharded policy's weights are gathered (on every process: each builds its own critic);
     # a LoRA policy's are merged into the base model's names
     state = full_state_dict(policy, everywhere=True)
@@ -75,10 +75,6 @@ def token_values(
 
     Micro-batches as in token_logprobs: rows of similar length, at most `micro_batch_size` of
     them and `max_tokens` tokens, each cut to its longest row; 0 past a row's last attended token."""
-    from grpokit.micro_batches import split_by_tokens
-    from grpokit.models.sharding import is_sharded
-    from grpokit.rollout.logprobs import attended_ends, position_ids_for
-
     device = next(critic.parameters()).device
     ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
     groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=is_sharded(critic))

@@ -20,8 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpokit.rewards.answers import answer_count, clean_answer, final_answers
-from grpokit.rewards.registry import reward_factory
+from grpokit.data.answers import answer_count, clean_answer, final_answers
 from grpokit.rewards.verify_pool import VerifierPool
 
 # A final answer longer than this is not an answer; it is never sent to math-verify.
@@ -118,6 +117,17 @@ def format_reward(prompts: list[str], completions: list[str], **_) -> list[float
     """1.0 when the completion states its final answer exactly once (one \\boxed{}, or one
     ####, "The answer is" or "A:" line), else 0.0."""
     return [1.0 if answer_count(c) == 1 else 0.0 for c in completions]
+
+
+def reward_factory(example_args: str):
+    """Decorator: `fn(**args)` makes a reward function (it is not one itself); `example_args`
+    shows a config's `args` for it, for error messages."""
+
+    def wrap(fn):
+        fn.example_args = example_args
+        return fn
+
+    return wrap
 
 
 @reward_factory("{max_length: 1024, soft_cache: 256}")

@@ -12,6 +12,11 @@ import os
 import sys
 from collections.abc import Callable
 
+from grpokit.config import Config, ConfigError, register_check
+from grpokit.data import arithmetic
+from grpokit.rewards import math_rewards
+from grpokit.rewards.math_rewards import reward_factory  # noqa: F401  (importable from here too)
+
 RewardFunction = Callable[..., list]
 
 _REGISTRY: dict[str, RewardFunction] = {}
@@ -27,21 +32,7 @@ def register_reward(name: str):
     return wrap
 
 
-def reward_factory(example_args: str):
-    """Decorator: `fn(**args)` makes a reward function (it is not one itself); `example_args`
-    shows a config's `args` for it, for error messages."""
-
-    def wrap(fn):
-        fn.example_args = example_args
-        return fn
-
-    return wrap
-
-
 def _builtins() -> None:
-    from grpokit.data import arithmetic
-    from grpokit.rewards import math_rewards
-
     _REGISTRY.setdefault("chain_accuracy", arithmetic.chain_accuracy)
     _REGISTRY.setdefault("math_accuracy", math_rewards.math_accuracy)
     _REGISTRY.setdefault("format", math_rewards.format_reward)
@@ -123,3 +114,14 @@ def _parameters(fn) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin or C function without a signature
         return set()
+
+
+@register_check
+def check_rewards(config: Config) -> None:
+    """Every reward names a function that exists and can be made, before any model loads (a typo
+    would otherwise surface only after the policy has loaded, minutes in for a 7B model)."""
+    for i, reward in enumerate(config.rewards):
+        try:
+            reward_function(reward.name, reward.args)
+        except ValueError as err:
+            raise ConfigError(f"rewards[{i}]: {err}") from None

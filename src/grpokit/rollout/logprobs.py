@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpokit.micro_batches import split_by_tokens
+from grpokit.micro_batches import attended_ends, position_ids_for, split_by_tokens
 from grpokit.models.precision import in_compute_dtype
+from grpokit.models.sharding import fsdp_root, is_sharded
 
 # transformers model types whose causal-LM forward is exactly `lm_head(decoder(...)[0])`,
 # optionally followed by `final_logit_softcapping` (applied here the same way). Others, such
@@ -53,11 +54,6 @@ PLAIN_HEAD_MODEL_TYPES = frozenset(
         "starcoder2",
     }
 )
-
-
-def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that ignore left padding, matching what `generate` uses while sampling."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @in_compute_dtype
@@ -164,12 +160,6 @@ def labelled_logprobs(model: torch.nn.Module, inputs: dict, labels: torch.Tensor
     return _chunked_stats(_identity, None, logits, flat_targets, 1.0, False, chunk_size)[0][0]
 
 
-def attended_ends(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[N] one past each row's last attended column (0 for a row with none)."""
-    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
-    return (attention_mask.bool() * columns).amax(dim=1)
-
-
 def _restore_rows(parts: list[torch.Tensor], order: torch.Tensor | None, width: int) -> torch.Tensor:
     """Micro-batch results, each cut to its own width, as one [N, width] tensor in input row order."""
     out = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
@@ -196,8 +186,6 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 def _sharded_root_with_plain_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The FSDP2 root whose head can be tiled inside its own forward, or None: a sharded model of a
     known plain-head type without logit softcapping (its forward would softcap what the head returns)."""
-    from grpokit.models.sharding import fsdp_root
-
     config = getattr(model, "config", None)
     if not _is_fsdp(model) or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
@@ -249,8 +237,6 @@ def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, 
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
-    from grpokit.models.sharding import is_sharded
-
     return is_sharded(model)
 
 
