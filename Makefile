@@ -23,7 +23,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(VENV)/bin/grpokit demo
 
+# lint-imports: the import layers of pyproject.toml's [tool.importlinter] (imports run one way).
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
 
 test-slow: $(STAMP)
