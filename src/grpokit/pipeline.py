@@ -36,7 +36,7 @@ from grpokit.data.reward_data import (
     read_step_labels,
     write_jsonl,
 )
-from grpokit.data.sources import check_sources
+from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
 from grpokit.eval.plots import plot_loss_curve, plot_reward_curve
 from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
 from grpokit.rundir import CLAIMED, NEW, check_not_complete, claim_run_dir
@@ -174,8 +174,6 @@ def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
 def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
     """Apply data.max_prompt_length to RL questions or SFT demonstrations, saying in one line how
     many of how many it dropped or cut."""
-    from grpokit.data.sources import long_prompts_note
-
     d = config.data
     is_sft = bool(rows) and "completion" in rows[0]  # only demonstrations carry their target
     what, key = ("SFT demonstrations", "data.sft_sources") if is_sft else ("RL questions", "data.sources")
@@ -189,8 +187,6 @@ def _heldout_rows(rows: list[dict], config: Config, tokenizer) -> list[dict]:
     """Held-out rows within data.max_prompt_length, whatever data.long_prompts says: evaluation
     drops a long question, never cuts it (a cut question is another question). What was dropped,
     or why nothing is left to evaluate, is said in one line."""
-    from grpokit.data.sources import heldout_note
-
     try:
         short, long = filter_long_prompts(rows, tokenizer, config.data.max_prompt_length, "skip", "held-out questions")
     except DatasetError:  # no held-out question is short enough

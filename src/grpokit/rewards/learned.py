@@ -21,8 +21,11 @@ from typing import Literal
 
 import torch
 
+from grpokit.checkpoint import CheckpointError, master_weights_dir, save_checkpoint
 from grpokit.data.reward_data import split_steps
-from grpokit.models.precision import compute_autocast
+from grpokit.models.loading import resolve_device
+from grpokit.models.precision import compute_autocast, resolve_precision, set_compute_dtype
+from grpokit.models.value import scalar_head_from_policy
 
 META_FILE = "grpokit_reward_model.json"
 Kind = Literal["outcome", "process"]
@@ -52,8 +55,6 @@ def _auto_class(kind: str):
 def new_reward_model(policy: torch.nn.Module, tokenizer, kind: Kind) -> torch.nn.Module:
     """A reward model initialised from the policy's backbone (DeepSeekMath initialises its reward
     models from the SFT model) with a zero head, so every score starts at 0."""
-    from grpokit.models.value import scalar_head_from_policy
-
     model = scalar_head_from_policy(policy, _auto_class(kind))
     model.config.pad_token_id = tokenizer.pad_token_id  # sequence heads find the last token by it
     return model.eval()
@@ -61,8 +62,6 @@ def new_reward_model(policy: torch.nn.Module, tokenizer, kind: Kind) -> torch.nn
 
 def save_reward_model(model, tokenizer, info: RewardModelInfo, path: str | Path, metrics: dict | None = None) -> Path:
     """Atomically write weights, tokenizer, grpokit_reward_model.json (and metrics.json)."""
-    from grpokit.checkpoint import save_checkpoint
-
     def extra(directory: Path) -> None:
         (directory / META_FILE).write_text(json.dumps(asdict(info), indent=2))
         if metrics is not None:
@@ -77,15 +76,9 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
     "same" for one that only scores (models/precision.py)."""
     from transformers import AutoTokenizer
 
-    from grpokit.checkpoint import master_weights_dir
-    from grpokit.models.loading import resolve_device
-    from grpokit.models.precision import resolve_precision, set_compute_dtype
-
     directory = Path(path)
     meta = directory / META_FILE
     if not meta.is_file():
-        from grpokit.checkpoint import CheckpointError
-
         raise CheckpointError(
             f"{directory} is not a grpokit reward model: {META_FILE} is missing. Train one with "
             "`grpokit train-rm`, or write that file with {\"kind\": \"outcome\"} or {\"kind\": \"process\", "

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from grpokit.config import ConfigError
 from grpokit.rollout.registry import engine_spec, register_engine
 from grpokit.rollout.sampler import SamplingParams, sample_groups
 from grpokit.types import Rollout
@@ -86,8 +87,6 @@ def run_max_model_len(rollout_config, needed: int, what: str) -> int:
     """rollout.max_model_len when set, else `needed` (the run's longest prompt + its room to write,
     described by `what`). An override shorter than `needed` is a config error: every request of the
     run must fit."""
-    from grpokit.config import ConfigError
-
     override = rollout_config.max_model_len
     if not override:
         return needed

@@ -6,10 +6,10 @@ import math
 
 import torch
 
+from grpokit.models.sharding import reshard
+
 
 def make_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
-    from grpokit.models.sharding import reshard
-
     # A sharded model's optimizer must hold its shards: a forward without backward (evaluation,
     # generation) leaves the FSDP2 root's parameters swapped for unsharded copies, which no
     # update would then reach.
