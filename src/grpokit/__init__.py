@@ -15,10 +15,6 @@ from grpokit.math import (
     value_loss,
 )
 
-# Registers config.validate's reward check (grpokit/rewards/registry.py sits above config), so that
-# load_config names an unknown reward function whichever grpokit module was imported first.
-from grpokit.rewards import registry as _reward_registry  # noqa: F401
-
 __version__ = "0.1.0"
 
 __all__ = [

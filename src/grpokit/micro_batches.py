@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from grpokit import distributed
-from grpokit.config import ConfigError
+from grpokit.errors import ConfigError
 
 
 def split_by_tokens(lengths: torch.Tensor, max_tokens: int | None, max_rows: int | None = None,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config import ConfigError
+from grpokit.errors import ConfigError
 from grpokit.models import checkpoint_dirs
 from grpokit.models.checkpoint_dirs import master_weights_dir
 from grpokit.models.precision import resolve_dtype, resolve_precision, set_compute_dtype

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpokit.config import ConfigError, LoraConfig
+from grpokit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from grpokit.config import LoraConfig
 
 ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"

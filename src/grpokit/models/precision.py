@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpokit.config import ConfigError
+from grpokit.errors import ConfigError
 
 # The attribute a model carries its compute dtype in (set by `set_compute_dtype`); copies made
 # with copy.deepcopy keep it.

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from grpokit import distributed
-from grpokit.config import ConfigError
+from grpokit.errors import ConfigError
 from grpokit.models.precision import compute_dtype, fsdp_root, is_sharded
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks")

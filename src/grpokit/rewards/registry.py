@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Callable
 
-from grpokit.config import Config, ConfigError, register_check
 from grpokit.data import arithmetic
 from grpokit.rewards import math_rewards
 from grpokit.rewards.math_rewards import reward_factory  # noqa: F401  (importable from here too)
@@ -114,14 +113,3 @@ def _parameters(fn) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin or C function without a signature
         return set()
-
-
-@register_check
-def check_rewards(config: Config) -> None:
-    """Every reward names a function that exists and can be made, before any model loads (a typo
-    would otherwise surface only after the policy has loaded, minutes in for a 7B model)."""
-    for i, reward in enumerate(config.rewards):
-        try:
-            reward_function(reward.name, reward.args)
-        except ValueError as err:
-            raise ConfigError(f"rewards[{i}]: {err}") from None

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from grpokit.config import ConfigError
+from grpokit.errors import ConfigError
 from grpokit.rollout.registry import engine_spec, register_engine
 from grpokit.rollout.sampler import SamplingParams, sample_groups
 from grpokit.types import Rollout
