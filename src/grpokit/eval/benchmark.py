@@ -22,7 +22,6 @@ finds it equivalent to the reference (grpokit.rewards.math_accuracy).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -39,9 +38,15 @@ from grpokit.config import Config, DataSource, EvalConfig, ModelConfig, RolloutC
 from grpokit.data.files import DatasetError, Fixes, read_file_records
 from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer, say_skipped
 from grpokit.eval.evaluate import majority_answer, pass_at_k
-from grpokit.eval.tir import OUTPUT_STOP, TIRTrace, build_prompt, final_answer, plain_chat, tir_rollout
+from grpokit.eval.tir import (OUTPUT_STOP, EngineGenerate, TIRTrace, Timings, build_prompt, final_answer, plain_chat,
+                              rollouts, timed_sandbox)
+from grpokit.models.loading import (DeviceUnavailable, ModelNotFound, is_lora_adapter, load_model_and_tokenizer,
+                                    local_weights_dir, resolve_device)
+from grpokit.progress import progress as progress_bar
 from grpokit.rewards.answers import final_answers
-from grpokit.rollout import ENGINES, engine_spec
+from grpokit.rewards.math_rewards import math_accuracy
+from grpokit.rollout import ENGINES, SamplingParams, engine_spec, make_engine
+from grpokit.sandbox import namespaces_available
 
 MODES = ("cot", "tir")
 MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
@@ -177,8 +182,6 @@ def extract_answer(completion: str) -> str | None:
 def grade(answers: Sequence[str | None], references: Sequence[str]) -> list[bool]:
     """Whether each extracted answer is equivalent to its reference, by grpokit's math_accuracy
     reward (math-verify). The answer goes in boxed, so only it is judged."""
-    from grpokit.rewards.math_rewards import math_accuracy
-
     completions = ["" if a is None else f"\\boxed{{{a}}}" for a in answers]
     scores = math_accuracy([""] * len(completions), completions, list(references))
     return [s > 0.5 for s in scores]
@@ -191,8 +194,6 @@ def resolve_model(model: str) -> str:
     """A model directory as given; for a run directory, its newest intact checkpoint
     (checkpoints/latest, else the highest step-N; checkpoints/sft for an SFT-only run).
     Anything else is passed on as a hub id. A LoRA adapter directory loads with its base."""
-    from grpokit.models.loading import is_lora_adapter
-
     path = Path(model)
     if not path.is_dir():
         return model
@@ -242,61 +243,6 @@ class EvalSettings:
     max_model_len: int = 4096
 
 
-@dataclass
-class Timings:
-    generate: float = 0.0
-    tools: float = 0.0
-    score: float = 0.0
-    generate_calls: int = 0
-    programs: int = 0
-
-
-class EngineGenerate:
-    """A tir_rollout generate_fn on a RolloutEngine: one continuation per context.
-
-    A context too long for max_new_tokens more tokens within max_model_len gets no
-    continuation (its rollout ends there). With temperature > 0 each request gets a seed from
-    (seed, context, how many identical contexts came before it in the call): a completion does
-    not depend on its batch (engines with per-request seeds, vLLM; `hf` draws from torch's RNG).
-    `ends` maps a context + continuation to "length" (cut at max_new_tokens) or
-    "context_limit", so a finished rollout's reason can be looked up by its text.
-    """
-
-    def __init__(self, engine, tokenizer, params, max_model_len: int, seed: int, timings: Timings):
-        self.engine, self.tokenizer, self.params = engine, tokenizer, params
-        self.max_model_len, self.seed, self.timings = max_model_len, seed, timings
-        self.ends: dict[str, str] = {}
-
-    def _seeds(self, contexts: list[str]) -> list[int]:
-        seen: Counter = Counter()
-        seeds = []
-        for context in contexts:
-            digest = hashlib.blake2b(f"{self.seed}/{seen[context]}/{context}".encode(), digest_size=4).digest()
-            seeds.append(int.from_bytes(digest, "little"))
-            seen[context] += 1
-        return seeds
-
-    def __call__(self, contexts: Sequence[str]) -> list[str]:
-        start = time.perf_counter()
-        contexts = list(contexts)
-        lengths = [len(ids) for ids in self.tokenizer(contexts, add_special_tokens=False)["input_ids"]]
-        fits = [i for i, n in enumerate(lengths) if n + self.params.max_new_tokens <= self.max_model_len]
-        out = [""] * len(contexts)
-        for i in set(range(len(contexts))) - set(fits):
-            self.ends[contexts[i]] = "context_limit"
-        if fits:
-            batch = [contexts[i] for i in fits]
-            seeds = self._seeds(batch) if self.params.temperature > 0 else None
-            rollout = self.engine.generate(batch, 1, self.params, seeds=seeds)
-            for i, text, truncated in zip(fits, rollout.completions, rollout.truncated.tolist(), strict=True):
-                out[i] = text
-                if truncated:
-                    self.ends[contexts[i] + text] = "length"
-            self.timings.generate_calls += 1
-        self.timings.generate += time.perf_counter() - start
-        return out
-
-
 def questions_too_long(bench: Benchmark, mode: str, tokenizer, settings: EvalSettings) -> int:
     """How many of the benchmark's prompts leave no room for max_new_tokens within max_model_len:
     they get no completion (never a cut question) and count as wrong."""
@@ -313,34 +259,6 @@ def say_questions_too_long(count: int, bench: Benchmark, mode: str, settings: Ev
               "lower --max-new-tokens", file=sys.stderr)
 
 
-def timed_sandbox(timings: Timings, timeout_s: float) -> Callable[[list[str]], list]:
-    """run_many with `timeout_s` per program, its wall time and program count added to `timings`."""
-    from grpokit.sandbox import run_many
-
-    def run(codes: list[str]):
-        start = time.perf_counter()
-        try:
-            return run_many(codes, timeout_s=timeout_s)
-        finally:
-            timings.tools += time.perf_counter() - start
-            timings.programs += len(codes)
-
-    return run
-
-
-def rollouts(generate: EngineGenerate, prompts: list[str], mode: str, max_tool_calls: int,
-             run_fn: Callable[[list[str]], list]) -> list[tuple[TIRTrace, str]]:
-    """(trace, stop reason) per prompt. CoT: one generation. TIR: tir_rollout, stopping at
-    "```output" to run the program. Reasons: answer, length, context_limit; TIR also
-    tool_limit and no_program."""
-    if mode == "tir":
-        traces = tir_rollout(generate, prompts, max_tool_calls, run_fn=run_fn)
-    else:
-        traces = [TIRTrace(prompt=p, completion=c, stop_reason="answer") for p, c in zip(prompts, generate(prompts))]
-    return [(t, generate.ends.get(t.prompt + t.completion, "answer") if t.stop_reason == "answer" else t.stop_reason)
-            for t in traces]
-
-
 def _sample_record(trace: TIRTrace, reason: str, answer: str | None, correct: bool) -> dict:
     return {"completion": trace.completion, "extracted_answer": answer, "correct": correct,
             "tool_calls": trace.tool_calls, "stop_reason": reason}
@@ -349,8 +267,6 @@ def _sample_record(trace: TIRTrace, reason: str, answer: str | None, correct: bo
 def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, tokenizer, settings: EvalSettings,
                    timings: Timings) -> list[dict]:
     """Completion records (greedy, plus --k samples) of the questions at `indices`."""
-    from grpokit.rollout import SamplingParams
-
     stop = (OUTPUT_STOP,) if mode == "tir" else ()
     prompts = [render_prompt(bench.questions[i], mode, tokenizer) for i in indices]
     run_fn = timed_sandbox(timings, settings.tool_timeout)
@@ -598,12 +514,6 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     """Generate, score and write everything for every dataset x mode; returns results.json's content."""
     import torch
 
-    from grpokit.config import RolloutConfig
-    from grpokit.progress import progress as progress_bar
-    from grpokit.models.loading import load_model_and_tokenizer, local_weights_dir
-    from grpokit.rollout import make_engine
-    from grpokit.sandbox import namespaces_available
-
     # before any model loads
     benchmarks = load_benchmarks(data, max_rows, question_column, answer_column, skip_malformed)
     out = writable_output_dir(out_dir)
@@ -814,8 +724,6 @@ def _modes(text: str) -> list[str]:
 
 
 def _check_numbers(args) -> None:
-    from grpokit.models.loading import resolve_device
-
     for name in ("max_new_tokens", "max_tool_calls", "batch_size"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -830,8 +738,6 @@ def _check_numbers(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpokit.models.loading import DeviceUnavailable, ModelNotFound
-
     args = _parser().parse_args(argv)
     try:
         if args.compare:

@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from math import comb
 
+from grpokit.eval.tir import OUTPUT_STOP, EngineGenerate, Timings, rollouts, timed_sandbox
 from grpokit.rollout import HFEngine, SamplingParams
+from grpokit.sandbox import namespaces_available
 
 
 @dataclass
@@ -146,10 +148,6 @@ def evaluate_tir(
     writes "```output", its program runs in grpokit.sandbox, the output is appended, and
     generation goes on, for at most `max_tool_calls` rounds of `max_new_tokens` each. A
     completion is right when its extracted answer equals the row's reference as a string."""
-    from grpokit.eval.benchmark import EngineGenerate, Timings, rollouts, timed_sandbox
-    from grpokit.eval.tir import OUTPUT_STOP
-    from grpokit.sandbox import namespaces_available
-
     if not rows:
         raise ValueError("evaluate_tir got no rows")
     start, timings = time.perf_counter(), Timings()

@@ -23,7 +23,10 @@ shows "Timeout Error".
 
 from __future__ import annotations
 
+import hashlib
 import re
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -224,3 +227,84 @@ def tir_rollout(
     for i in active:
         traces[i].stop_reason = "tool_limit"
     return traces
+
+
+@dataclass
+class Timings:
+    generate: float = 0.0
+    tools: float = 0.0
+    score: float = 0.0
+    generate_calls: int = 0
+    programs: int = 0
+
+
+class EngineGenerate:
+    """A tir_rollout generate_fn on a RolloutEngine: one continuation per context.
+
+    A context too long for max_new_tokens more tokens within max_model_len gets no
+    continuation (its rollout ends there). With temperature > 0 each request gets a seed from
+    (seed, context, how many identical contexts came before it in the call): a completion does
+    not depend on its batch (engines with per-request seeds, vLLM; `hf` draws from torch's RNG).
+    `ends` maps a context + continuation to "length" (cut at max_new_tokens) or
+    "context_limit", so a finished rollout's reason can be looked up by its text.
+    """
+
+    def __init__(self, engine, tokenizer, params, max_model_len: int, seed: int, timings: Timings):
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+        self.max_model_len, self.seed, self.timings = max_model_len, seed, timings
+        self.ends: dict[str, str] = {}
+
+    def _seeds(self, contexts: list[str]) -> list[int]:
+        seen: Counter = Counter()
+        seeds = []
+        for context in contexts:
+            digest = hashlib.blake2b(f"{self.seed}/{seen[context]}/{context}".encode(), digest_size=4).digest()
+            seeds.append(int.from_bytes(digest, "little"))
+            seen[context] += 1
+        return seeds
+
+    def __call__(self, contexts: Sequence[str]) -> list[str]:
+        start = time.perf_counter()
+        contexts = list(contexts)
+        lengths = [len(ids) for ids in self.tokenizer(contexts, add_special_tokens=False)["input_ids"]]
+        fits = [i for i, n in enumerate(lengths) if n + self.params.max_new_tokens <= self.max_model_len]
+        out = [""] * len(contexts)
+        for i in set(range(len(contexts))) - set(fits):
+            self.ends[contexts[i]] = "context_limit"
+        if fits:
+            batch = [contexts[i] for i in fits]
+            seeds = self._seeds(batch) if self.params.temperature > 0 else None
+            rollout = self.engine.generate(batch, 1, self.params, seeds=seeds)
+            for i, text, truncated in zip(fits, rollout.completions, rollout.truncated.tolist(), strict=True):
+                out[i] = text
+                if truncated:
+                    self.ends[contexts[i] + text] = "length"
+            self.timings.generate_calls += 1
+        self.timings.generate += time.perf_counter() - start
+        return out
+
+
+def timed_sandbox(timings: Timings, timeout_s: float) -> Callable[[list[str]], list]:
+    """run_many with `timeout_s` per program, its wall time and program count added to `timings`."""
+    def run(codes: list[str]):
+        start = time.perf_counter()
+        try:
+            return run_many(codes, timeout_s=timeout_s)
+        finally:
+            timings.tools += time.perf_counter() - start
+            timings.programs += len(codes)
+
+    return run
+
+
+def rollouts(generate: EngineGenerate, prompts: list[str], mode: str, max_tool_calls: int,
+             run_fn: Callable[[list[str]], list]) -> list[tuple[TIRTrace, str]]:
+    """(trace, stop reason) per prompt. CoT: one generation. TIR: tir_rollout, stopping at
+    "```output" to run the program. Reasons: answer, length, context_limit; TIR also
+    tool_limit and no_program."""
+    if mode == "tir":
+        traces = tir_rollout(generate, prompts, max_tool_calls, run_fn=run_fn)
+    else:
+        traces = [TIRTrace(prompt=p, completion=c, stop_reason="answer") for p, c in zip(prompts, generate(prompts))]
+    return [(t, generate.ends.get(t.prompt + t.completion, "answer") if t.stop_reason == "answer" else t.stop_reason)
+            for t in traces]

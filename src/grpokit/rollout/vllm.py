@@ -61,6 +61,8 @@ from torch.distributed.tensor import DTensor
 
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
+from grpokit.rollout.engine import WeightSyncError
+from grpokit.rollout.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
 from grpokit.types import Rollout
@@ -387,8 +389,6 @@ class VLLMEngine:
         difference = float((engine_logp - policy_logp).abs().max())
         tolerance = SYNC_TOLERANCE.get(self.dtype, 1e-1)
         if not difference <= tolerance:
-            from grpokit.rollout.engine import WeightSyncError
-
             raise WeightSyncError(f"the engine's log-probs differ from the policy's by {difference:.3g} "
                                   f"(tolerance {tolerance:g} in {str(self.dtype).removeprefix('torch.')})")
         return difference
@@ -524,8 +524,6 @@ def _tensor_parallel_group():
 
 def _policy_probe_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Log-probs (temperature 1, float32, on CPU) of token_ids[1:] after their prefix under `model`."""
-    from grpokit.rollout.logprobs import token_logprobs
-
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], device=device)
     was_training = model.training
