@@ -10,7 +10,19 @@ from importlib import resources
 
 import yaml
 
+from grpokit import distributed
+from grpokit.bench.cost import main as cost_main
+from grpokit.bench.memory import main as memory_main
 from grpokit.config import Config, ConfigError, describe, load_config, resolve_key
+from grpokit.data.files import DatasetError
+from grpokit.distributed import PeerFailure
+from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
+from grpokit.rewards.registry import reward_names
+from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
+
+# The rest of grpokit (models, rollout, training, evaluation) is imported where a command needs it,
+# not here: `grpokit bench` starts without loading transformers, and `grpokit --help` without the
+# training stack.
 
 DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
 # A learned reward is easier to exploit than a verifier: where the reward model cannot check the
@@ -73,11 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_keys_help(demo: bool) -> str:
     """The epilog listing every config key; for `demo`, with the preset's values as the defaults."""
-    from grpokit.rewards.registry import reward_names
-
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
-    from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
-
     notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')",
              "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
              "grpo.advantage": f"(registered: {', '.join(sorted(ADVANTAGES))}; or 'package.module:name')",
@@ -141,12 +149,8 @@ def _user_set(key: str, config: list[str], overrides: list[str]) -> bool:
 def bench(argv: list[str]) -> int:
     """`grpokit bench cost ...` (measured) or `grpokit bench memory ...` (analytic)."""
     if argv[:1] == ["cost"]:
-        from grpokit.bench.cost import main as cost_main
-
         return cost_main(argv[1:])
     if argv[:1] == ["memory"]:
-        from grpokit.bench.memory import main as memory_main
-
         return memory_main(argv[1:])
     asked = argv[:1] in (["-h"], ["--help"])
     print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
@@ -164,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return bench(argv[1:])  # its own usage, --help included
     if argv[:1] == ["eval"]:
-        from grpokit.eval.benchmark import main as eval_main
+        from grpokit.eval.benchmark import main as eval_main  # transformers: see the imports at the top
 
         return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging
 
-    from grpokit.models.loading import check_model_config
+    from grpokit.models.loading import check_model_config  # transformers: see the imports at the top
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
     argv = join_override_values(argv)
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 def choose_run_dir(args, config) -> None:
     """output_dir when none is given: runs/<command>, or the next free runs/<command>-N (a bare
     --resume continues the newest of them); said on stderr, so the user knows where the run went."""
-    from grpokit.rundir import default_run_dir, latest_default_run_dir
+    from grpokit.rundir import default_run_dir, latest_default_run_dir  # transformers: see the top
 
     if args.overwrite and getattr(args, "resume", False):
         raise ConfigError("--overwrite starts afresh and --resume continues: pass one of them")
@@ -222,13 +226,11 @@ def choose_run_dir(args, config) -> None:
 
 def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
+    # models, rollout and training: see the imports at the top
     from grpokit.checkpoint import CheckpointError
-    from grpokit.data.files import DatasetError
-    from grpokit.distributed import PeerFailure
     from grpokit.models.loading import ModelNotFound
     from grpokit.rollout.engine import WeightSyncError
     from grpokit.rundir import RunComplete, RunDirectoryInUse
-    from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
     from grpokit.train.loop import NonFiniteTraining, RewardFailure
     from grpokit.train.reward_model import RewardModelDataError
 
@@ -239,7 +241,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
-    from grpokit import distributed, pipeline
+    from grpokit import pipeline  # the training stack: see the imports at the top
     from grpokit.rundir import NEW, OVERWRITE
 
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):

@@ -30,6 +30,18 @@ from pathlib import Path
 
 import torch
 
+from grpokit import distributed
+from grpokit.config import GRPOConfig, LoraConfig, SFTConfig
+from grpokit.data import arithmetic
+from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.models.loading import resolve_device, resolve_dtype
+from grpokit.models.lora import apply_lora
+from grpokit.models.sharding import shard_model
+from grpokit.rewards import WeightedReward
+from grpokit.train.grpo import GRPOTrainer, frozen_copy
+from grpokit.train.sft import TokenizedExamples, train_on_examples
+from grpokit.types import Rollout
+
 
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
@@ -82,8 +94,6 @@ class RandomTokens:
         self.generator = torch.Generator().manual_seed(seed)
 
     def generate(self, prompts, num_generations, params, rows=None, seeds=None):
-        from grpokit.types import Rollout
-
         n, p, t = len(prompts) * num_generations, self.prompt_length, self.completion_length
         low = max(self.pad, self.eos) + 1
         ids = torch.randint(low, self.vocab_size, (n, p + t), generator=self.generator)
@@ -117,14 +127,6 @@ def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: i
 def long_sequence_step(args, device: torch.device, out: Path) -> tuple[int, int, float]:
     """(parameters, peak bytes before the baseline is taken off, seconds) of args.steps long-sequence GRPO or
     SFT steps."""
-    from grpokit.config import GRPOConfig, SFTConfig
-    from grpokit.data import arithmetic
-    from grpokit.models import build_char_tokenizer
-    from grpokit.models.loading import resolve_dtype
-    from grpokit.rewards import WeightedReward
-    from grpokit.train.grpo import GRPOTrainer, frozen_copy
-    from grpokit.train.sft import TokenizedExamples, train_on_examples
-
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)  # pad 0, EOS 1: the ids build_llama uses
     length = args.prompt_length + args.completion_length
     model = build_llama(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.intermediate_size,
@@ -164,16 +166,6 @@ def length_reward(prompts, completions, **_):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpokit import distributed
-    from grpokit.config import GRPOConfig, LoraConfig
-    from grpokit.data import arithmetic
-    from grpokit.models import build_char_tokenizer, build_tiny_model
-    from grpokit.models.lora import apply_lora
-    from grpokit.models.loading import resolve_device, resolve_dtype
-    from grpokit.models.sharding import shard_model
-    from grpokit.rewards import WeightedReward
-    from grpokit.train.grpo import GRPOTrainer, frozen_copy
-
     parser = argparse.ArgumentParser(prog="python -m grpokit.bench.memory_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for rank{r}.json")
