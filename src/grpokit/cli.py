@@ -13,16 +13,19 @@ import yaml
 from grpokit import distributed
 from grpokit.bench.cost import main as cost_main
 from grpokit.bench.memory import main as memory_main
+from grpokit.checkpoint import CheckpointError
 from grpokit.config import Config, ConfigError, describe, load_config, resolve_key
 from grpokit.data.files import DatasetError
 from grpokit.distributed import PeerFailure
 from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
+from grpokit.models.loading import ModelNotFound, check_model_config
 from grpokit.rewards.registry import reward_names
+from grpokit.rollout.engine import WeightSyncError
+from grpokit.rundir import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, default_run_dir, latest_default_run_dir
 from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
 
-# The rest of grpokit (models, rollout, training, evaluation) is imported where a command needs it,
-# not here: `grpokit bench` starts without loading transformers, and `grpokit --help` without the
-# training stack.
+# The training stack (pipeline, train, eval and what only they use) is imported where a command
+# runs, not here: `grpokit --help` and `grpokit bench` start without it.
 
 DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
 # A learned reward is easier to exploit than a verifier: where the reward model cannot check the
@@ -168,12 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return bench(argv[1:])  # its own usage, --help included
     if argv[:1] == ["eval"]:
-        from grpokit.eval.benchmark import main as eval_main  # transformers: see the imports at the top
+        from grpokit.eval.benchmark import main as eval_main  # see the imports at the top
 
         return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging
-
-    from grpokit.models.loading import check_model_config  # transformers: see the imports at the top
 
     hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
     argv = join_override_values(argv)
@@ -213,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
 def choose_run_dir(args, config) -> None:
     """output_dir when none is given: runs/<command>, or the next free runs/<command>-N (a bare
     --resume continues the newest of them); said on stderr, so the user knows where the run went."""
-    from grpokit.rundir import default_run_dir, latest_default_run_dir  # transformers: see the top
-
     if args.overwrite and getattr(args, "resume", False):
         raise ConfigError("--overwrite starts afresh and --resume continues: pass one of them")
     if config.output_dir:
@@ -226,12 +225,7 @@ def choose_run_dir(args, config) -> None:
 
 def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
-    # models, rollout and training: see the imports at the top
-    from grpokit.checkpoint import CheckpointError
-    from grpokit.models.loading import ModelNotFound
-    from grpokit.rollout.engine import WeightSyncError
-    from grpokit.rundir import RunComplete, RunDirectoryInUse
-    from grpokit.train.loop import NonFiniteTraining, RewardFailure
+    from grpokit.train.loop import NonFiniteTraining, RewardFailure  # see the imports at the top
     from grpokit.train.reward_model import RewardModelDataError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
@@ -241,8 +235,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
-    from grpokit import pipeline  # the training stack: see the imports at the top
-    from grpokit.rundir import NEW, OVERWRITE
+    from grpokit import pipeline  # see the imports at the top
 
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "

@@ -23,6 +23,7 @@ from grpokit.errors import ConfigError
 from grpokit.loggers import TrackerError, check_trackers
 from grpokit.math import registry
 from grpokit.rewards.registry import reward_function
+from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
 
 
 def opt(default: Any, help: str) -> Any:
@@ -640,10 +641,6 @@ def validate(config: Config) -> None:
 
 def _check_engine(rollout: RolloutConfig) -> None:
     """rollout.engine names a registered engine whose package is installed, and the engine keys suit it."""
-    # the package import registers every engine; here, not at the top, so that importing grpokit.config
-    # (grpokit --help, grpokit bench) does not load transformers, which the engines' modules import
-    from grpokit.rollout.registry import ENGINES, engine_spec
-
     try:
         spec = engine_spec(rollout.engine)
     except ValueError as err:
