@@ -23,6 +23,7 @@ from pathlib import Path
 
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.data import arithmetic
+from grpokit.models import build_char_tokenizer, build_tiny_model, resolve_device
 from grpokit.rewards import WeightedReward
 
 STAGES = [("generation", "perf/rollout_time_s"), ("scoring", "perf/scoring_time_s"),
@@ -48,9 +49,6 @@ def measure(algo: str, args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads) if args.threads else None
-    # models and trainers only in the measuring subprocess: the parent `grpokit bench cost` (and
-    # its --help) starts without loading transformers
-    from grpokit.models import build_char_tokenizer, build_tiny_model, resolve_device
 
     device = resolve_device(args.device)
     baseline = _rss_bytes()
@@ -70,12 +68,14 @@ def measure(algo: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as run_dir:
         if algo == "ppo":
-            from grpokit.train.ppo import PPOTrainer  # see the imports above
+            # a trainer only in the measuring subprocess: the parent `grpokit bench cost` (its --help
+            # too) starts without the training stack
+            from grpokit.train.ppo import PPOTrainer
 
             trainer = PPOTrainer(model, tokenizer, rewards, rows, config, run_dir, seed=args.seed, progress=False,
                                  ppo=PPOConfig())
         else:
-            from grpokit.train.grpo import GRPOTrainer  # see the imports above
+            from grpokit.train.grpo import GRPOTrainer  # as PPOTrainer above
 
             trainer = GRPOTrainer(model, tokenizer, rewards, rows, config, run_dir, seed=args.seed, progress=False)
         records = [trainer.step() for _ in range(args.steps + 1)][1:]  # the first step warms caches up
