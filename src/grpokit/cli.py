@@ -74,9 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 def config_keys_help(demo: bool) -> str:
     """The epilog listing every config key; for `demo`, with the preset's values as the defaults."""
     from grpokit.rewards.registry import reward_names
+    from grpokit.tasks.registry import task_names
 
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
-    notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')"}
+    notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')",
+             "task.name": f"(registered tasks: {', '.join(task_names())})"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
             + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 
