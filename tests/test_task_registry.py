@@ -4,7 +4,7 @@ picks as grpokit always has (math when data names sources, else chain)."""
 import pytest
 
 from grpokit.config import ConfigError, load_config
-from grpokit.tasks import TASKS, task_for
+from grpokit.tasks import TASKS, register_task, task_for
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.chain import ChainTask
 from grpokit.tasks.math import MathTask
@@ -51,6 +51,13 @@ def my_reward(prompts, completions, answer, **_):
 def test_every_task_module_registers_itself():
     assert TASKS["chain"] is ChainTask and TASKS["math"] is MathTask
     assert ChainTask.name == "chain" and MathTask.name == "math"
+
+
+def test_a_name_taken_by_another_class_is_refused():
+    with pytest.raises(ValueError, match=r"task name 'chain' of test_task_registry.MyTask is taken by "
+                                         r"grpokit.tasks.chain.ChainTask: register it under another name"):
+        register_task("chain")(MyTask)
+    assert TASKS["chain"] is ChainTask and register_task("chain")(ChainTask) is ChainTask
 
 
 def test_auto_picks_as_before():

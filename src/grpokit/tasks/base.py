@@ -22,7 +22,8 @@ class TaskData:
 
 class Task(Protocol):
     name: str  # what task.name calls it (register_task sets it)
-    reward: str | None  # the registered reward that grades it in RL (rewards[].name); None where none does
+    # the reward that grades it in RL (a rewards[].name); a named task's replaces the default rewards; None if none
+    reward: str | None
     # (row, steps) -> [bool]: which step first goes wrong, where a rule can tell; None otherwise
     step_labeller: Callable[[dict, list[str]], list[bool]] | None
     # (row, right completion, rng) -> the same solution with one slip (a hard negative); None where no rule can make one

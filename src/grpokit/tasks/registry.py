@@ -4,15 +4,18 @@ also name its own task class by import path, 'package.module:ClassName', as it c
 
 from __future__ import annotations
 
-import difflib
-
 TASKS: dict[str, type] = {}
 
 
 def register_task(name: str):
-    """Class decorator: make the task class available to configs as task.name=`name`."""
+    """Class decorator: make the task class available to configs as task.name=`name`. A name
+    taken by another class is refused (a copied task file that kept its name would shadow it)."""
 
     def wrap(cls: type) -> type:
+        taken = TASKS.get(name)
+        if taken is not None and f"{taken.__module__}.{taken.__qualname__}" != f"{cls.__module__}.{cls.__qualname__}":
+            raise ValueError(f"task name {name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                             f"{taken.__module__}.{taken.__qualname__}: register it under another name")
         cls.name = name
         TASKS[name] = cls
         return cls
