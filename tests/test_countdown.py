@@ -127,8 +127,9 @@ def test_a_tokenizer_that_cannot_spell_the_task_is_refused(tokenizer):
 def test_report_counts_well_formed_answers():
     from grpokit.eval import EvalResult
 
-    result = EvalResult(0.0, 0.0, 0.0, 1, 4, greedy_completions=["A: 1+2", "A: 1+", "A: x", "A: (3)*4"])
-    assert cd.CountdownTask.report(None, result) == {"well-formed answers": 0.5}
+    result = EvalResult(0.0, 0.0, 0.0, 1, 4, greedy_completions=["A: 1+2", "A: 1+", "A: 1/0", "A: (3)*4"])
+    task = task_for(load_config(overrides=["--task.name=countdown"]))
+    assert task.report(result) == {"valid syntax": 0.5}
 
 
 def test_train_runs_on_the_tiny_model(tmp_path):
@@ -141,7 +142,7 @@ def test_train_runs_on_the_tiny_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", f"--output_dir={out}", "--quiet", *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "held-out greedy accuracy" in proc.stdout and "well-formed answers" in proc.stdout
+    assert "held-out greedy accuracy" in proc.stdout and "valid syntax" in proc.stdout
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all("rewards/grpokit.tasks.countdown:countdown_accuracy" in s for s in steps), steps[0]
     config = load_config(out / "config.yaml")

@@ -184,10 +184,10 @@ class CountdownTask:
         return None
 
     def report(self, result) -> dict[str, float]:
-        """How many greedy answers are well-formed expressions, right or wrong: the format learnt
-        apart from the arithmetic."""
+        """How many greedy answers are expressions the rule can compute, right or wrong: the format
+        learnt apart from the arithmetic."""
         formed = [c for c in result.greedy_completions if (e := extract_answer(c)) is not None and evaluate(e)]
-        return {"well-formed answers": len(formed) / max(1, len(result.greedy_completions))}
+        return {"valid syntax": len(formed) / max(1, len(result.greedy_completions))}
 
 
 def _check_tokenizer(tokenizer) -> None:
