@@ -172,3 +172,17 @@ def test_max_model_len_is_the_longest_prompt_plus_completion_unless_overridden()
     with pytest.raises(ConfigError, match=r"rollout.max_model_len=100 is shorter than the longest prompt \(40 tokens\) "
                                           r"\+ 64 completion tokens = 104 tokens: raise it to at least 104"):
         run_max_model_len(short, 104, what)
+
+
+def test_rollout_engine_names_a_registered_engine():
+    import importlib.util
+
+    from grpokit.rollout import ENGINES
+
+    assert {"hf", "vllm"} <= set(ENGINES)  # each registered by its own module
+    with pytest.raises(ConfigError, match=r"rollout.engine: unknown engine 'vlm' \(did you mean 'vllm'\?\); "
+                                          r"registered: hf, vllm"):
+        load_config(overrides=["--rollout.engine=vlm"])
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match=r"rollout.engine=vllm but vllm is not installed: .*make \.venv-vllm"):
+            load_config(overrides=["--rollout.engine=vllm"])

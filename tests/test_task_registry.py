@@ -120,4 +120,4 @@ def test_help_lists_the_registered_tasks():
 
     text = config_keys_help(demo=False)
     doc = text[text.index("--task.name='auto'"):].split("\n  --", 1)[0]
-    assert "'package.module:ClassName'" in doc and f"(registered tasks: {', '.join(sorted(TASKS))})" in doc
+    assert "'package.module:ClassName'" in doc and f"(registered: {', '.join(sorted(TASKS))})" in doc

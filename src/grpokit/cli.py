@@ -77,8 +77,14 @@ def config_keys_help(demo: bool) -> str:
     from grpokit.tasks.registry import task_names
 
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
+    from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
+
     notes = {"rewards": f"(built-in names: {', '.join(reward_names())}; or 'package.module:function')",
-             "task.name": f"(registered tasks: {', '.join(task_names())})"}
+             "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
+             "grpo.advantage": f"(registered: {', '.join(sorted(ADVANTAGES))}; or 'package.module:name')",
+             "rollout.is_correction": f"(registered: none, {', '.join(sorted(IS_CORRECTIONS))}; or "
+                                      f"'package.module:name')",
+             "task.name": f"(registered: {', '.join(task_names())})"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
             + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 

@@ -179,10 +179,16 @@ class GRPOConfig:
     )
     importance_sampling_level: Literal["token", "sequence"] = opt(
         "token", "token = eq. 3's per-token ratio; sequence = GSPO's length-normalised sequence ratio")
+    loss: str = opt("clip", "the policy loss, by registered name: clip = eq. 3's clipped surrogate; cispo = "
+                            "MiniMax-M1's clipped detached weight x A x logp (every token keeps a gradient)")
+    loss_args: dict[str, Any] = opt({}, "arguments of grpo.loss, e.g. cispo: {eps_low: 1.0, eps_high: 0.28} "
+                                        "(the defaults: no lower bound)")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and sample fresh questions "
                                         "until the step holds prompts_per_step groups with a spread")
     max_generation_rounds: int = opt(4, "dynamic sampling: most sampling rounds per step; then it trains on what it has")
     scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
+    advantage: str = opt("grpo", "the outcome advantage estimator, by registered name: grpo = eq. 5's group-normalised "
+                                 "reward; rloo = r minus the mean of the group's other rewards")
     mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
     temperature: float = opt(0.7, "sampling temperature of the rollouts (the policy trained is the tempered one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
@@ -265,7 +271,7 @@ class IterativeConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = opt("hf", "what samples completions: hf (transformers' generate) or vllm "
+    engine: str = opt("hf", "what samples completions, by registered name: hf (transformers' generate) or vllm "
                                               "(a colocated vLLM engine, synced after every optimizer step)")
     kv_cache_gb: Optional[float] = opt(None, "vllm: memory its KV cache may take, in GiB; unset = on CUDA what "
                                              "gpu_memory_utilization leaves after the weights, on CPU 1 GiB")
@@ -279,10 +285,13 @@ class RolloutConfig:
                                 "grpo.max_completion_length")
     tensor_parallel_size: int = opt(1, "vllm under torchrun: processes (GPUs) that share one engine's weights; "
                                        "must divide the processes per node (torchrun's --nproc_per_node)")
-    is_correction: Literal["none", "tis"] = opt(
-        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling), "
+    is_correction: str = opt(
+        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling); "
+                "icepop: drop the policy term of tokens whose pi_old / pi_sampler leaves [low, high] (is_args); "
                 "for an engine whose log-probs differ from the trainer's")
     is_cap: float = opt(2.0, "the cap C of the TIS weight")
+    is_args: dict[str, Any] = opt({}, "arguments of rollout.is_correction besides is_cap, e.g. icepop: "
+                                      "{low: 0.5, high: 2.0} (the defaults)")
 
 
 @dataclass
@@ -620,16 +629,12 @@ def validate(config: Config) -> None:
         (config.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {config.distributed.timeout_s}"),
         (config.rollout.tensor_parallel_size >= 1,
          f"rollout.tensor_parallel_size must be >= 1, got {config.rollout.tensor_parallel_size}"),
-        (config.rollout.tensor_parallel_size == 1 or config.rollout.engine == "vllm",
-         f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size} applies to rollout.engine=vllm only "
-         f"(rollout.engine={config.rollout.engine}): set it to 1, or use the vllm engine"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm but vllm is not installed: on a GPU machine pip install "
-                          "'grpokit[vllm]'; on CPU build its own venv with `make .venv-vllm` (or use rollout.engine=hf)")
+    _check_loss_pieces(config)
+    _check_engine(config.rollout)
     if config.model.lora.r > 0 and importlib.util.find_spec("peft") is None:
         raise ConfigError("model.lora.r > 0 needs peft: pip install 'grpokit[peft]'")
     try:
@@ -661,6 +666,45 @@ def _check_task(config: Config) -> None:
             fix = f"--rewards='[{{name: {cls.reward}}}]'" if cls.reward else "a reward that grades it"
             raise ConfigError(f"rewards[{i}]: {reward.name} grades the {graders[reward.name]} task, not "
                               f"task.name={name}: use {fix}")
+
+
+def _check_engine(rollout: RolloutConfig) -> None:
+    """rollout.engine names a registered engine whose package is installed, and the engine keys suit it."""
+    from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
+
+    try:
+        spec = engine_spec(rollout.engine)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise ConfigError(f"rollout.engine={spec.name} but {spec.package} is not installed: {spec.install} "
+                          f"(or use rollout.engine=hf)")
+    if rollout.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        tp_engines = sorted(name for name, other in ENGINES.items() if other.tensor_parallel)
+        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} applies to rollout.engine="
+                          f"{' or '.join(tp_engines)} only (rollout.engine={rollout.engine}): set it to 1, or use "
+                          f"the {' or '.join(tp_engines)} engine")
+
+
+def _check_loss_pieces(config: Config) -> None:
+    """grpo.loss and rollout.is_correction name registered pieces, and their arguments suit them."""
+    from grpokit.math import registry
+
+    try:
+        registry.check_args(registry.policy_loss(config.grpo.loss), config.grpo.loss_args, "grpo.loss_args")
+        registry.advantage(config.grpo.advantage)
+        if config.grpo.loss != "clip" and config.grpo.importance_sampling_level != "token":
+            raise ValueError(f"grpo.importance_sampling_level={config.grpo.importance_sampling_level} applies to "
+                             f"grpo.loss=clip; grpo.loss={config.grpo.loss} uses per-token ratios: set it to token")
+        r = config.rollout
+        if r.is_correction != "none":
+            args = {**({"cap": r.is_cap} if r.is_correction == "tis" else {}), **r.is_args}
+            registry.check_args(registry.is_correction(r.is_correction), args, "rollout.is_args")
+        elif r.is_args:
+            raise ValueError(f"rollout.is_args={r.is_args} but rollout.is_correction=none: name the correction "
+                             f"they are for, or drop them")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_rewards(config: Config) -> None:

@@ -46,7 +46,7 @@ from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
-from grpokit.rollout import longest_prompt_tokens, make_engine, run_max_model_len
+from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
 from grpokit.tasks.base import evaluate_task
 from grpokit.train.grpo import frozen_copy
@@ -314,7 +314,7 @@ def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts
     """A vLLM engine's max_model_len for a run over `prompts` (None for hf): the longest prompt +
     grpo.max_completion_length, twice that completion when step prefixes are continued (process
     labels from rollouts), and TIR's rounds of completion + program output after its prompts."""
-    if config.rollout.engine != "vllm":
+    if not engine_spec(config.rollout.engine).copies_weights:
         return None
     c = config.grpo.max_completion_length
     room = 2 * c if step_prefixes else c
@@ -332,7 +332,7 @@ def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts
 
 def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout: list[dict]) -> int | None:
     """_engine_model_len for RL: its questions, the held-out ones and their TIR form when evaluated."""
-    if config.rollout.engine != "vllm":
+    if not engine_spec(config.rollout.engine).copies_weights:
         return None
     tir = task.tir_rows(heldout, tokenizer) if heldout and config.eval.tir else None
     return _engine_model_len(config, tokenizer, [r["prompt"] for r in rows + heldout],
@@ -343,7 +343,7 @@ def _loaded_weights_dir(config: Config, checkpoint: Path | None = None) -> str |
     """Where the policy just loaded (from `checkpoint`, else model.name_or_path; a LoRA policy's
     base) lies in from_pretrained form, for a vLLM engine to load without a copy; None for a tiny
     model built in memory, or weights vLLM cannot read alone."""
-    if config.rollout.engine != "vllm":
+    if not engine_spec(config.rollout.engine).copies_weights:
         return None
     source = str(checkpoint) if checkpoint is not None else config.model.name_or_path
     return local_weights_dir(source) if source else None

@@ -41,6 +41,7 @@ from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, ref
 from grpokit.eval.evaluate import majority_answer, pass_at_k
 from grpokit.eval.tir import OUTPUT_STOP, TIRTrace, build_prompt, final_answer, plain_chat, tir_rollout
 from grpokit.rewards.answers import final_answers
+from grpokit.rollout import ENGINES, engine_spec
 
 MODES = ("cot", "tir")
 MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
@@ -620,7 +621,7 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     torch.manual_seed(settings.seed)
     engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb,
                                        max_model_len=settings.max_model_len), policy, tokenizer, settings.seed,
-                         weights_dir=local_weights_dir(model_path) if engine_name == "vllm" else None)
+                         weights_dir=local_weights_dir(model_path) if engine_spec(engine_name).copies_weights else None)
     header = {"model": model, "model_path": model_path, "engine": engine_name, "prompt_format": layout,
               "prompt_layout": PLAIN_LAYOUT if layout == "plain" else "the tokenizer's chat template",
               "load_seconds": time.perf_counter() - load_start,
@@ -772,8 +773,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=0, help="also draw K samples per question for maj@K and pass@K")
     p.add_argument("--temperature", type=float, default=EVAL.temperature,
                    help="sampling temperature of the --k samples (default: %(default)s, as eval.temperature)")
-    p.add_argument("--rollout.engine", "--engine", dest="engine", choices=["hf", "vllm"], default=ROLLOUT.engine,
-                   help="hf: transformers' generate; vllm: a vLLM engine")
+    p.add_argument("--rollout.engine", "--engine", dest="engine", choices=sorted(ENGINES), default=ROLLOUT.engine,
+                   help="hf: transformers' generate; vllm: a vLLM engine; or another registered engine")
     p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float,
                    default=ROLLOUT.kv_cache_gb, help="vllm: GiB for its KV cache")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per generation (per TIR round)")

@@ -1,4 +1,10 @@
-"""Pure tensor math of GRPO and its PPO baseline: no models, no I/O."""
+"""Pure tensor math of GRPO and its PPO baseline: no models, no I/O.
+
+Every module of this package is imported with it, so a module that registers a policy loss or
+an importance-sampling correction (math/registry.py) is all a new one takes."""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
 
 from grpokit.math.advantages import (
     gae_advantages,
@@ -10,6 +16,7 @@ from grpokit.math.losses import (
     AGGREGATIONS,
     DEFAULT_IS_CAP,
     IMPORTANCE_LEVELS,
+    aggregate,
     bradley_terry_loss,
     grpo_loss,
     kl_k3,
@@ -17,12 +24,31 @@ from grpokit.math.losses import (
     step_bce_loss,
     value_loss,
 )
+from grpokit.math.registry import (
+    ADVANTAGES,
+    IS_CORRECTIONS,
+    POLICY_LOSSES,
+    LossSettings,
+    PolicyTerm,
+    register_advantage,
+    register_is_correction,
+    register_policy_loss,
+)
 from grpokit.math.sampling import groups_with_spread
 
+for _module in _pkgutil.iter_modules(__path__):  # registrations: losses, corrections (one file each)
+    _importlib.import_module(f"{__name__}.{_module.name}")
+
 __all__ = [
+    "ADVANTAGES",
     "AGGREGATIONS",
     "DEFAULT_IS_CAP",
     "IMPORTANCE_LEVELS",
+    "IS_CORRECTIONS",
+    "POLICY_LOSSES",
+    "LossSettings",
+    "PolicyTerm",
+    "aggregate",
     "bradley_terry_loss",
     "gae_advantages",
     "groups_with_spread",
@@ -32,6 +58,9 @@ __all__ = [
     "masked_outcome_advantages",
     "outcome_advantages",
     "process_advantages",
+    "register_advantage",
+    "register_is_correction",
+    "register_policy_loss",
     "step_bce_loss",
     "value_loss",
 ]

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from grpokit.math.registry import register_advantage
+
 DEFAULT_EPS = 1e-4
 
 
@@ -69,6 +71,12 @@ def masked_outcome_advantages(
     all_equal = ((r == first_valid) | ~v).all(dim=1, keepdim=True) | (n_valid < 2)
     adv = torch.where(all_equal | ~v, torch.zeros_like(adv), adv)
     return adv.reshape(-1)
+
+
+@register_advantage("grpo")
+def group_normalised(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:
+    """Eq. 5: (r - mean(group)) / std(group); with scale=False (grpo.scale_rewards) r - mean (Dr. GRPO)."""
+    return masked_outcome_advantages(rewards, valid, group_size, scale=scale)
 
 
 def outcome_advantages(

@@ -1,6 +1,7 @@
 """Losses: the k3 KL estimator (eq. 4), GRPO's clipped objective (eq. 3) with its common
 variants (token / constant aggregation, GSPO's sequence ratio, truncated importance sampling),
-PPO's value loss.
+PPO's value loss. The policy term and the importance correction are registered by name
+(math/registry.py); CISPO and icepop live in their own modules.
 
 All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a mask
 [N, T] that is 1 on completion tokens. Pure tensor code: no models, no I/O.
@@ -9,8 +10,20 @@ All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 
 import torch
+
+from grpokit.math.registry import (
+    LossSettings,
+    PolicyTerm,
+    check_args,
+    only_keys,
+    register_is_correction,
+    register_policy_loss,
+)
+from grpokit.math.registry import is_correction as registered_is_correction
+from grpokit.math.registry import policy_loss as registered_policy_loss
 
 AGGREGATIONS = ("sequence", "token", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -117,6 +130,71 @@ def _divide(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
     return total / (count if count > 0 else 1.0)
 
 
+def aggregate(
+    term: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    max_completion_length: int | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-token `term` [N, T] over the batch, as the objective to maximise: the one place
+    every loss is aggregated (docs/algorithm.md, "Beyond the paper").
+
+    "sequence": mean_i(sum_t m term / sum_t m), rows with an all-zero mask left out;
+    "token":    sum m term / sum m;
+    "constant": sum m term / (N * L_max), L_max = max_completion_length.
+    denominator replaces the count (non-empty rows, masked tokens, N) with one counted over the
+    whole optimizer step (loss_denominator summed over micro-batches and processes); 0 reads as 1.
+    """
+    m = mask.to(term.dtype)
+    if aggregation == "sequence":
+        lengths = m.sum(dim=1)
+        rows = lengths > 0
+        per_seq = (term * m).sum(dim=1) / lengths.clamp(min=1)
+        return _divide((per_seq * rows).sum(), rows.sum() if denominator is None else denominator)
+    if aggregation == "token":
+        return _divide((term * m).sum(), m.sum() if denominator is None else denominator)
+    if aggregation == "constant":
+        n_completions = term.shape[0] if denominator is None else denominator
+        return _divide((term * m).sum(), n_completions) / max_completion_length
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+@register_policy_loss("clip")
+def clipped_surrogate(logp, old_logp, advantages, mask, settings: LossSettings) -> PolicyTerm:
+    """PPO's clipped surrogate (eq. 3): min(rho A, clip(rho, 1 - eps, 1 + eps_high) A), with the
+    per-token ratio, or GSPO's length-normalised sequence ratio (importance_level=sequence)."""
+    m = mask.to(logp.dtype)
+    if settings.importance_level == "sequence":
+        # GSPO: the mean log-ratio over the output's tokens; padding never enters, and an
+        # empty row gets log s = 0 / 1 = 0 instead of 0 / 0.
+        log_ratio = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
+        seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+        ratio = torch.exp(seq_log_ratio).expand_as(logp)
+    else:
+        ratio = torch.exp(logp - old_logp)
+    low, high = 1.0 - settings.clip_eps, 1.0 + settings.clip_eps_high
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    # The clip is active where min() chose the clipped term and it differs.
+    return PolicyTerm(surrogate, ratio, (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0))
+
+
+def _check_tis(args) -> None:
+    cap = only_keys(args, {"cap": DEFAULT_IS_CAP}, "tis")["cap"]
+    if not (isinstance(cap, numbers.Real) and not isinstance(cap, bool) and cap > 0):
+        raise ValueError(f"tis: cap must be a number > 0 (the cap C of the weight), got {cap!r}")
+
+
+@register_is_correction("tis", check=_check_tis)
+def truncated_importance_weight(raw_weight, mask, args):
+    """Truncated importance sampling: w_t = min(pi_old / pi_sampler, C), C = `cap` (default 2)."""
+    cap = float(only_keys(args, {"cap": DEFAULT_IS_CAP}, "tis")["cap"])
+    m = mask.to(raw_weight.dtype)
+    weight = torch.where(m > 0, raw_weight.clamp(max=cap), torch.ones_like(raw_weight))
+    return weight, {"is_weight_mean": _masked_mean(weight, m),
+                    "is_capped_frac": _masked_mean((raw_weight > cap).to(m.dtype), m)}
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -133,38 +211,39 @@ def grpo_loss(
     sampling_logp: torch.Tensor | None = None,
     is_cap: float | None = None,
     denominator: float | torch.Tensor | None = None,
+    policy_loss: str = "clip",
+    loss_args: Mapping | None = None,
+    is_correction: str | None = None,
+    is_args: Mapping | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's loss, -J_GRPO (docs/algorithm.md, eq. 3), and the common variants of it.
 
     logp, old_logp, ref_logp, mask, sampling_logp: [N, T]; advantages: [N] (outcome) or [N, T] (process).
-    Per token: term = w * min(rho A, clip(rho, 1-eps, 1+eps_high) A) - beta k3.
+    Per token: term = w * policy_term - beta k3, then aggregated (`aggregate`) and negated.
 
-    importance_level "token":    rho_{i,t} = exp(logp - old_logp), the paper's per-token ratio.
-                     "sequence": rho_{i,t} = s_i = exp(sum_t m (logp - old_logp) / sum_t m), one
-                                 length-normalised ratio per output (GSPO, Zheng et al. 2025,
-                                 arXiv:2507.18071); the gradient flows through s_i, the KL stays
-                                 per token. With [N] advantages every token of output i carries
-                                 the same term; with [N, T] advantages token t uses its own
-                                 A_{i,t} with the shared s_i. A row with an empty mask gets s_i = 1.
-    w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the
-       truncated importance weight w_t = min(exp(old_logp - sampling_logp), C), detached,
-       C = is_cap (default 2.0): the samples came from the engine, not from pi_theta_old.
-    aggregation "sequence": -mean_i(sum_t m term / sum_t m), the paper's 1/|o_i| then 1/G;
-                            rows with an all-zero mask (e.g. a failed reward) are left out.
-                "token":    -sum m term / sum m (DAPO, Yu et al. 2025, arXiv:2503.14476).
-                "constant": -sum m term / (N * L_max), L_max = max_completion_length (Dr. GRPO,
-                            Liu et al. 2025, arXiv:2503.20783): no output is weighted by its own
-                            length. max_completion_length is required here and unused otherwise.
-    denominator: replaces the count divided by -- the non-empty rows, the masked tokens, or N --
-       with one counted over the whole optimizer step (loss_denominator summed over micro-batches
-       and processes), so each piece back-propagates sum_local / global count and the pieces
-       add up to the loss of the whole batch. A count of 0 is read as 1 (the sum is 0 too).
+    policy_loss: a registered policy loss (math/registry.py), its arguments in loss_args.
+       "clip" (default) is eq. 3's min(rho A, clip(rho, 1-eps, 1+eps_high) A), where
+       importance_level "token":    rho_{i,t} = exp(logp - old_logp), the paper's per-token ratio.
+                        "sequence": rho_{i,t} = s_i = exp(sum_t m (logp - old_logp) / sum_t m), one
+                                    length-normalised ratio per output (GSPO, Zheng et al. 2025,
+                                    arXiv:2507.18071); the gradient flows through s_i, the KL stays
+                                    per token. A row with an empty mask gets s_i = 1.
+       "cispo" (math/cispo.py): sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1).
+    w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the weight
+       the registered correction `is_correction` makes of the detached ratio pi_old / pi_sampler:
+       "tis" (the default when sampling_logp is given): min(exp(old_logp - sampling_logp), C),
+       C = is_cap (or is_args cap; default 2.0); "icepop" (math/icepop.py): the ratio where it lies
+       in [low, high], else 0 (the token's policy term dropped, the token still counted).
+    aggregation "sequence" (the paper's 1/|o_i| then 1/G), "token" (DAPO, arXiv:2503.14476) or
+       "constant" (Dr. GRPO, arXiv:2503.20783: / (N * L_max), L_max = max_completion_length,
+       required here and unused otherwise); rows with an all-zero mask count for nothing.
+    denominator: replaces the count divided by with one counted over the whole optimizer step
+       (see `aggregate`), so the pieces of a step add up to the loss of the whole batch.
     ref_logp may be None only when beta == 0.
     Returns (loss, stats); stats are detached scalars over this batch's masked tokens: kl,
-    clip_fraction(_low/_high), ratio_mean (of the ratio used: s_i on every token under
-    "sequence"), policy_loss (-mean of w * surrogate), tokens; with sampling_logp also
-    is_weight_mean, is_capped_frac (share of tokens whose weight was capped) and
-    logp_mismatch (mean |old_logp - sampling_logp|).
+    clip_fraction(_low/_high), ratio_mean (of the ratio used), policy_loss (-mean of w * policy
+    term), tokens; with sampling_logp also logp_mismatch (mean |old_logp - sampling_logp|) and the
+    correction's own (tis: is_weight_mean, is_capped_frac; icepop: is_weight_mean, is_dropped_frac).
     """
     _check_variant_args(
         logp, aggregation, max_completion_length, importance_level, sampling_logp, is_cap, denominator
@@ -183,65 +262,44 @@ def grpo_loss(
             f"advantages must be [N]={tuple(logp.shape[:1])} or [N, T]={tuple(logp.shape)}, "
             f"got {tuple(advantages.shape)}"
         )
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    loss_entry = registered_policy_loss(policy_loss)
+    check_args(loss_entry, loss_args or {}, "loss_args")
+    settings = LossSettings(clip_eps, clip_eps if clip_eps_high is None else clip_eps_high, importance_level,
+                            dict(loss_args or {}))
     m = mask.to(logp.dtype)
     advantages = advantages.to(logp.dtype)
-
-    if importance_level == "sequence":
-        # GSPO: the mean log-ratio over the output's tokens; padding never enters, and an
-        # empty row gets log s = 0 / 1 = 0 instead of 0 / 0.
-        log_ratio = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
-        seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
-        ratio = torch.exp(seq_log_ratio).expand_as(logp)
-    else:
-        ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
-    surrogate = torch.minimum(unclipped, clipped)
+    policy = loss_entry.function(logp, old_logp, advantages, mask, settings)
+    correction_stats: dict[str, torch.Tensor] = {}
     if sampling_logp is not None:
-        cap = DEFAULT_IS_CAP if is_cap is None else float(is_cap)
-        with torch.no_grad():  # TIS: a correction of the sampling distribution, not a thing to optimise
-            raw_weight = torch.exp(old_logp - sampling_logp)
-            is_weight = torch.where(m > 0, raw_weight.clamp(max=cap), torch.ones_like(raw_weight))
-        policy_term = is_weight * surrogate
+        name = is_correction or "tis"
+        if is_cap is not None and name != "tis":
+            raise ValueError(f"is_cap is the cap of the tis correction; {name!r} takes its arguments in is_args")
+        correction = registered_is_correction(name)
+        args = {**({"cap": float(is_cap)} if is_cap is not None else {}), **(is_args or {})}
+        check_args(correction, args, "is_args")
+        with torch.no_grad():  # a correction of the sampling distribution, not a thing to optimise
+            weight, correction_stats = correction.function(torch.exp(old_logp - sampling_logp), mask, args)
+        policy_term = weight * policy.term
     else:
-        policy_term = surrogate
+        policy_term = policy.term
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    term = policy_term - beta * kl
-
-    if aggregation == "sequence":
-        lengths = m.sum(dim=1)
-        rows = lengths > 0
-        per_seq = (term * m).sum(dim=1) / lengths.clamp(min=1)
-        total = (per_seq * rows).sum()
-        loss = -_divide(total, rows.sum() if denominator is None else denominator)
-    elif aggregation == "token":
-        total = (term * m).sum()
-        loss = -_divide(total, m.sum() if denominator is None else denominator)
-    else:
-        total = (term * m).sum()
-        n_completions = logp.shape[0] if denominator is None else denominator
-        loss = -_divide(total, n_completions) / max_completion_length
+    loss = -aggregate(policy_term - beta * kl, mask, aggregation, max_completion_length, denominator)
 
     with torch.no_grad():
-        # The clip is active where min() chose the clipped term and it differs.
-        low = (ratio < 1.0 - eps_low) & (advantages < 0)
-        high = (ratio > 1.0 + eps_high) & (advantages > 0)
+        low, high = policy.clipped_low, policy.clipped_high
         stats = {
             "kl": _masked_mean(kl, m),
             "clip_fraction": _masked_mean((low | high).to(m.dtype), m),
             "clip_fraction_low": _masked_mean(low.to(m.dtype), m),
             "clip_fraction_high": _masked_mean(high.to(m.dtype), m),
-            "ratio_mean": _masked_mean(ratio, m),
+            "ratio_mean": _masked_mean(policy.ratio, m),
             "policy_loss": -_masked_mean(policy_term, m),
             "tokens": m.sum(),
         }
         if sampling_logp is not None:
             mismatch = torch.where(m > 0, (old_logp - sampling_logp).abs(), torch.zeros_like(m))
-            stats["is_weight_mean"] = _masked_mean(is_weight, m)
-            stats["is_capped_frac"] = _masked_mean((raw_weight > cap).to(m.dtype), m)
             stats["logp_mismatch"] = _masked_mean(mismatch, m)
+            stats.update(correction_stats)
     return loss, stats
 
 

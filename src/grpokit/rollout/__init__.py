@@ -1,10 +1,21 @@
-"""Turning prompts into groups of completions with their per-token log-probs."""
+"""Turning prompts into groups of completions with their per-token log-probs.
+
+Every module of this package is imported with it, so an engine module's registration
+(rollout/registry.py) is all a new engine takes; optional engine packages (vllm) are imported
+only when such an engine is built."""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
 
 from grpokit.rollout.engine import (HFEngine, RolloutEngine, longest_prompt_tokens, make_engine, max_model_len,
                                    request_seeds, run_max_model_len, WeightSyncError)
 from grpokit.rollout.logprobs import position_ids_for, token_logprobs
+from grpokit.rollout.registry import ENGINES, engine_spec, register_engine
 from grpokit.rollout.sampler import SamplingParams, sample_groups
 
-__all__ = ["HFEngine", "RolloutEngine", "SamplingParams", "longest_prompt_tokens", "make_engine", "max_model_len",
+for _module in _pkgutil.iter_modules(__path__):  # engine registrations, one module each
+    _importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["ENGINES", "engine_spec", "register_engine", "HFEngine", "RolloutEngine", "SamplingParams", "longest_prompt_tokens", "make_engine", "max_model_len",
            "position_ids_for", "request_seeds", "run_max_model_len", "sample_groups", "token_logprobs",
            "WeightSyncError"]

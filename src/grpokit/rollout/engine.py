@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from grpokit.models.precision import compute_dtype
+from grpokit.rollout.registry import engine_spec, register_engine
 from grpokit.rollout.sampler import SamplingParams, sample_groups
 from grpokit.types import Rollout
 
@@ -99,21 +99,16 @@ def run_max_model_len(rollout_config, needed: int, what: str) -> int:
 
 def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0,
                 model_len: int | None = None, weights_dir: str | None = None) -> RolloutEngine:
-    """The engine rollout.engine names, built once from the policy (vLLM: in this process,
-    colocated, with prefix caching and a bounded KV cache). model_len: the longest prompt +
-    completion it must serve (run_max_model_len); None = max_model_len(rollout_config, model).
-    weights_dir: where the policy's weights lie unchanged (vLLM loads them from there, no copy).
-    A LoRA policy's vLLM engine starts from the base model; the trainer pushes the merged weights."""
-    if rollout_config.engine == "vllm":
-        from grpokit.rollout.vllm import VLLMEngine  # optional dependency: imported only when chosen
+    """The engine rollout.engine names (rollout/registry.py), built once from the policy.
+    model_len: the longest prompt + completion an engine that copies the weights must serve
+    (run_max_model_len); None = max_model_len(rollout_config, model). weights_dir: where the
+    policy's weights lie unchanged, for such an engine to load without a copy."""
+    spec = engine_spec(rollout_config.engine)
+    if spec.copies_weights:
+        model_len = model_len or max_model_len(rollout_config, model)
+    return spec.build(rollout_config, model, tokenizer, seed, model_len, weights_dir)
 
-        # vLLM runs in the policy's compute dtype (bf16 over fp32 master weights; models/precision.py)
-        dtype = str(compute_dtype(model) or next(model.parameters()).dtype).removeprefix("torch.")
-        eager = rollout_config.enforce_eager
-        return VLLMEngine(model, tokenizer, max_model_len=model_len or max_model_len(rollout_config, model),
-                          kv_cache_gb=rollout_config.kv_cache_gb, dtype=dtype, seed=seed,
-                          enable_sleep_mode=rollout_config.sleep_mode,
-                          gpu_memory_utilization=rollout_config.gpu_memory_utilization,
-                          enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir,
-                          tensor_parallel_size=rollout_config.tensor_parallel_size)
+
+@register_engine("hf", copies_weights=False)
+def _build_hf(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> HFEngine:
     return HFEngine(model, tokenizer)

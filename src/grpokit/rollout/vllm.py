@@ -60,6 +60,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpokit.models.lora import lora_merged_weights
+from grpokit.models.precision import compute_dtype
+from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
 from grpokit.types import Rollout
 
@@ -477,6 +479,19 @@ class VLLMEngine:
                 f"rollout.kv_cache_gb={self.kv_cache_gb} is more memory than is free: lower it ({message})"
             )
         return None
+
+
+@register_engine("vllm", copies_weights=True, package="vllm", install=_INSTALL_HINT, tensor_parallel=True)
+def build_vllm_engine(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> VLLMEngine:
+    """A colocated VLLMEngine as the rollout config sizes it, in the policy's compute dtype (bf16
+    over fp32 master weights: models/precision.py)."""
+    dtype = str(compute_dtype(model) or next(model.parameters()).dtype).removeprefix("torch.")
+    eager = rollout_config.enforce_eager
+    return VLLMEngine(model, tokenizer, max_model_len=model_len, kv_cache_gb=rollout_config.kv_cache_gb, dtype=dtype,
+                      seed=seed, enable_sleep_mode=rollout_config.sleep_mode,
+                      gpu_memory_utilization=rollout_config.gpu_memory_utilization,
+                      enforce_eager=None if eager == "auto" else eager == "true", weights_dir=weights_dir,
+                      tensor_parallel_size=rollout_config.tensor_parallel_size)
 
 
 def sleep_level(weights_pushed_next: bool) -> int:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from grpokit.config import GRPOConfig
-from grpokit.math import grpo_loss, masked_outcome_advantages, process_advantages
+from grpokit.math import grpo_loss, process_advantages
+from grpokit.math.registry import advantage as registered_advantage
 from grpokit.models.lora import as_module
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
@@ -43,7 +44,9 @@ def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tens
     those rows over the minibatch's count `total`, in the configured aggregation, importance
     level and TIS correction, and the tensors the log sums. Every tensor lives on the policy's device."""
     cfg, rollout_cfg = trainer.config, trainer.rollout_config
-    tis = rollout_cfg.is_correction == "tis" and rollout.sampling_logp is not None
+    corrected = rollout_cfg.is_correction != "none" and rollout.sampling_logp is not None
+    # rollout.is_cap is tis's own key, older than rollout.is_args
+    is_cap = rollout_cfg.is_cap if corrected and rollout_cfg.is_correction == "tis" else None
 
     def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
         mask = loss_mask[micro]
@@ -54,16 +57,17 @@ def policy_micro_loss(trainer: Trainer, rollout: Rollout, advantages: torch.Tens
             ref_logp[micro] if ref_logp is not None else None, advantages[micro], mask,
             clip_eps=cfg.epsilon, beta=beta, clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
             max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
-            sampling_logp=rollout.sampling_logp[micro] if tis else None, is_cap=rollout_cfg.is_cap if tis else None,
-            denominator=total)
+            sampling_logp=rollout.sampling_logp[micro] if corrected else None, is_cap=is_cap,
+            denominator=total, policy_loss=cfg.loss, loss_args=cfg.loss_args,
+            is_correction=rollout_cfg.is_correction if corrected else None, is_args=rollout_cfg.is_args)
         tokens = stats["tokens"]
         sums = {key: stats[key] * tokens for key in ("kl", "clip_fraction", "ratio_mean", "policy_loss")}
         sums.update(loss=loss.detach(), tokens=tokens)
         if rollout.sampling_logp is not None:  # how far the engine's log-probs are from the trainer's pi_old
             old = (old_logp[micro] if old_logp is not None else logp.detach()).to(rollout.sampling_logp.dtype)
             sums["rollout/logp_mismatch"] = ((old - rollout.sampling_logp[micro]).abs() * mask).sum()
-        if tis:
-            sums["rollout/is_capped_frac"] = stats["is_capped_frac"] * tokens
+        if corrected:  # the correction's own shares: tis is_capped_frac, icepop is_dropped_frac, ...
+            sums.update({f"rollout/{k}": v * tokens for k, v in stats.items() if k.startswith("is_")})
         if entropy is not None:
             cm = rollout.completion_mask[micro].to(entropy.dtype)
             sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
@@ -138,8 +142,8 @@ class GRPO(Algorithm):
         [N, T] process advantages (eq. 6) of its step scores, plus the outcome advantages of
         any rule-based rewards configured beside it. On the rewards' device (the CPU)."""
         cfg = self.config
-        outcome = masked_outcome_advantages(result.total.float(), result.valid, cfg.num_generations,
-                                            scale=cfg.scale_rewards)
+        estimator = registered_advantage(cfg.advantage).function
+        outcome = estimator(result.total.float(), result.valid, cfg.num_generations, cfg.scale_rewards)
         if self.process_reward is None:
             return outcome
         token_adv = step_advantages(self.trainer.tokenizer, rollout.completion_ids.cpu(), rollout.completion_lengths.cpu(),
