@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def config_keys_help(demo: bool) -> str:
     """The epilog listing every config key; for `demo`, with the preset's values as the defaults."""
     from grpokit.rewards.registry import reward_names
+    from grpokit.tasks.registry import task_names
 
     defaults = load_config([str(DEMO_PRESET)]) if demo else None
     from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
@@ -82,7 +83,8 @@ def config_keys_help(demo: bool) -> str:
              "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
              "grpo.advantage": f"(registered: {', '.join(sorted(ADVANTAGES))}; or 'package.module:name')",
              "rollout.is_correction": f"(registered: none, {', '.join(sorted(IS_CORRECTIONS))}; or "
-                                      f"'package.module:name')"}
+                                      f"'package.module:name')",
+             "task.name": f"(registered: {', '.join(task_names())})"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
             + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 
