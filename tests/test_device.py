@@ -15,7 +15,8 @@ from grpokit.math import gae_advantages, grpo_loss, kl_k3, value_loss
 from grpokit.rewards import WeightedReward
 from grpokit.data import arithmetic
 from grpokit.rollout import SamplingParams, sample_groups
-from grpokit.train.grpo import GRPOTrainer, policy_micro_loss
+from grpokit.train.algorithm import Batch
+from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.ppo import PPOTrainer, shaped_token_rewards
 
 META = torch.device("meta")
@@ -58,9 +59,10 @@ def test_the_learning_half_of_a_grpo_step_keeps_every_tensor_on_the_policy_devic
     trainer.model, trainer.ref_model, trainer.device = on_meta(tiny_model), on_meta(trainer.ref_model), META
 
     rollout, loss_mask = trainer.on_policy_device(rollout, result)  # what every step does
-    advantages = trainer.algorithm.advantages(rollout, result).to(trainer.device)  # what GRPO.learn does
-    ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, rollout)
-    micro_loss = policy_micro_loss(trainer, rollout, advantages, loss_mask, ref_logp, old_logp, config.beta)
+    ref_logp, old_logp = trainer.fixed_logprobs(rollout)  # what Trainer.step does
+    batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, tokenizer, True)
+    advantages, _ = trainer.algorithm.advantages(batch)
+    micro_loss = trainer.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp)
     loss, sums = micro_loss(torch.arange(rollout.num_samples, device=META), 0)
     loss.backward()
     assert loss_mask.device == ref_logp.device == old_logp.device == loss.device == META
@@ -81,15 +83,18 @@ def test_the_learning_half_of_a_ppo_step_keeps_every_tensor_on_the_policy_device
     ppo.critic = on_meta(ppo.critic)
 
     rollout, loss_mask = trainer.on_policy_device(rollout, result)
-    old_logp = trainer.algorithm.values(trainer, rollout)  # any [N, T] on the device stands in for pi_old here
+    old_logp = ppo.values(rollout).detach()  # any [N, T] on the device stands in for pi_old here
     with torch.no_grad():
-        old_values = ppo.values(trainer, rollout)
+        old_values = ppo.values(rollout)
+    # PPO.advantages' arithmetic (its statistics read values back, which the meta device cannot)
     scores = torch.where(result.valid.to(META), result.total.to(META), 0.0).float()
-    token_rewards = shaped_token_rewards(scores, old_logp.detach(), old_logp.detach(), loss_mask, config.beta)
+    token_rewards = shaped_token_rewards(scores, old_logp, old_logp, loss_mask, config.beta)
     advantages, returns = gae_advantages(token_rewards, old_values * loss_mask, loss_mask, 1.0, 0.95)
+    batch = Batch(rollout, result, loss_mask, old_logp, old_logp, tokenizer, True,
+                  extras={"old_values": old_values, "returns": returns})
     rows = torch.arange(rollout.num_samples, device=META)
-    policy_loss, _ = policy_micro_loss(trainer, rollout, advantages, loss_mask, None, old_logp.detach(), 0.0)(rows, 0)
-    critic_loss, sums = ppo.critic_micro_loss(trainer, rollout, old_values, returns, loss_mask)(rows, 0)
+    policy_loss, _ = trainer.policy_micro_loss(rollout, advantages, loss_mask, None, old_logp)(rows, 0)
+    critic_loss, sums = ppo.critic_micro_loss(batch)(rows, 0)
     (policy_loss + critic_loss).backward()
     assert policy_loss.device == critic_loss.device == META and all(v.device == META for v in sums.values())
     assert all(p.grad.device == META for p in ppo.critic.parameters() if p.requires_grad)

@@ -25,7 +25,7 @@ from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.models.precision import set_compute_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rollout import SamplingParams, sample_groups
-from grpokit.train.grpo import GRPOTrainer, frozen_copy, update_policy
+from grpokit.train.grpo import GRPOTrainer, frozen_copy
 
 AGGREGATIONS = ("sequence", "token", "constant")
 G, PROMPTS, WORLD = 4, 4, 2
@@ -89,9 +89,9 @@ def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: 
     local = rollout.take(mine)
     advantages = masked_outcome_advantages(rewards[mine].float(), valid[mine], G)  # whole groups: no communication
     loss_mask = local.completion_mask * valid[mine].unsqueeze(1)
-    ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, local)
+    ref_logp, old_logp = trainer.fixed_logprobs(local)
     if steps:
-        update_policy(trainer, local, advantages, loss_mask, ref_logp, old_logp, config.beta)
+        trainer.update_policy(local, advantages, loss_mask, ref_logp, old_logp)
     return full_state_dict(model)
 
 

@@ -12,7 +12,7 @@ from grpokit.config import GRPOConfig
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.rewards import WeightedReward
-from grpokit.train.grpo import GRPOTrainer, RewardFailure, update_policy, zero_std_fraction
+from grpokit.train.grpo import GRPOTrainer, RewardFailure, zero_std_fraction
 
 
 def length_reward(prompts, completions, **_):
@@ -77,10 +77,10 @@ def test_pi_old_needs_no_forward_pass_when_mu_is_one(tiny_model, tokenizer, chai
     rollout = sample_groups(tiny_model, tokenizer, [r["prompt"] for r in rows], 4, trainer.sampling, rows)
     policy_calls = []
     hook = tiny_model.get_decoder().register_forward_hook(lambda *a: policy_calls.append(1))
-    ref_logp, old_logp = trainer.algorithm.fixed_logprobs(trainer, rollout)
+    ref_logp, old_logp = trainer.fixed_logprobs(rollout)
     assert old_logp is None and ref_logp is not None and policy_calls == []
-    trainer.config = dataclasses.replace(trainer.config, num_iterations=2)
-    _, old_logp = trainer.algorithm.fixed_logprobs(trainer, rollout)
+    trainer.config = trainer.algorithm.config = dataclasses.replace(trainer.config, num_iterations=2)
+    _, old_logp = trainer.fixed_logprobs(rollout)
     assert old_logp is not None and len(policy_calls) == 1
     hook.remove()
 
@@ -104,8 +104,8 @@ def test_micro_batching_gives_the_same_gradient(tiny_model, tokenizer, chain_row
             adv = torch.linspace(-1, 1, 8)
             mask = rollout.completion_mask.clone()
             mask[5] = 0  # a failed sample: empty row
-            ref_logp, _ = trainer.algorithm.fixed_logprobs(trainer, rollout)
-            update_policy(trainer, rollout, adv, mask, ref_logp, None, trainer.config.beta)
+            ref_logp, _ = trainer.fixed_logprobs(rollout)
+            trainer.update_policy(rollout, adv, mask, ref_logp, None)
             updated.append(model.state_dict())
         for k in updated[0]:
             torch.testing.assert_close(updated[0][k], updated[1][k], atol=2e-6, rtol=1e-4)
@@ -164,6 +164,7 @@ def test_process_supervision_mixes_with_rule_based_rewards(tiny_model, tokenizer
     advantage (eq. 5) to every token of its completion."""
     from grpokit.rewards.learned import ProcessRewardModel, new_reward_model
     from grpokit.rollout import SamplingParams, sample_groups
+    from grpokit.train.algorithm import Batch
     from grpokit.train.grpo import step_advantages
 
     prm_model = new_reward_model(copy.deepcopy(tiny_model), tokenizer, "process")
@@ -171,7 +172,7 @@ def test_process_supervision_mixes_with_rule_based_rewards(tiny_model, tokenizer
         prm_model.score.weight.normal_()  # varied step scores
     prm = ProcessRewardModel(prm_model, tokenizer, "\n")
     trainer = make_trainer(tiny_model, tokenizer, chain_rows, tmp_path, max_completion_length=16)
-    trainer.algorithm.process_reward = prm
+    trainer.process_reward = prm
     record = trainer.step()
     assert {"process/steps_mean", "process/no_delimiter", "rewards/chain_accuracy"} <= set(record)
 
@@ -179,13 +180,16 @@ def test_process_supervision_mixes_with_rule_based_rewards(tiny_model, tokenizer
     rollout = sample_groups(tiny_model, tokenizer, [r["prompt"] for r in rows], 4, SamplingParams(16), rows)
     result = trainer._score(rollout)
     result.step_scores = prm.score_steps(rollout.prompts, rollout.completions)
-    mixed = trainer.algorithm.advantages(rollout, result)
+    def advantages(rule_rewards: bool):
+        batch = Batch(rollout, result, rollout.completion_mask, None, None, tokenizer, rule_rewards)
+        return trainer.algorithm.advantages(batch)[0]
+
+    mixed = advantages(rule_rewards=True)
     process = step_advantages(tokenizer, rollout.completion_ids, rollout.completion_lengths, result.step_scores, 4)
     outcome = masked_outcome_advantages(result.total.float(), result.valid, 4)
     assert mixed.shape == rollout.completion_mask.shape
     torch.testing.assert_close(mixed, process + outcome.unsqueeze(1))
-    trainer.rewards = []
-    torch.testing.assert_close(trainer.algorithm.advantages(rollout, result), process)
+    torch.testing.assert_close(advantages(rule_rewards=False), process)
 
 
 def test_a_trainer_without_any_reward_is_refused(tiny_model, tokenizer, chain_rows, tmp_path):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from grpokit.config import ConfigError, GRPOConfig, LoraConfig
 from grpokit.models.lora import AdapterDisabledReference, apply_lora, load_lora, lora_merged_weights, merged_state_dict
 from grpokit.rewards import WeightedReward
-from grpokit.train.grpo import GRPOTrainer, policy_logprobs
+from grpokit.train.grpo import GRPOTrainer
 
 
 def length_reward(prompts, completions, **_):
@@ -56,10 +56,10 @@ def test_the_reference_is_the_base_model_under_the_adapters(tiny_model, tokenize
     assert not torch.allclose(logits(policy, tokenizer), logits(base, tokenizer))  # the adapters learned
 
     rollout = trainer.engine.generate([r["prompt"] for r in chain_rows[:2]], 4, trainer.sampling, chain_rows[:2])
-    ref_logp = policy_logprobs(trainer, trainer.ref_model, rollout)
-    base_logp = policy_logprobs(trainer, base, rollout)
+    ref_logp = trainer.logprobs(trainer.ref_model, rollout)
+    base_logp = trainer.logprobs(base, rollout)
     torch.testing.assert_close(ref_logp, base_logp)
-    assert not torch.allclose(policy_logprobs(trainer, policy, rollout), base_logp)  # adapters on again after
+    assert not torch.allclose(trainer.logprobs(policy, rollout), base_logp)  # adapters on again after
 
 
 def _disabled_logits(policy, tokenizer):
@@ -83,9 +83,10 @@ def test_checkpoints_hold_the_adapter_and_on_request_the_merged_model(tiny_model
 
     # A separate engine (vLLM) receives the merged weights under the base model's names, computed
     # without touching the policy's own weights.
-    assert trainer.engine_weights() is None  # an unsharded LoRA policy: the engine merges on the device
+    from grpokit.rollout.vllm import policy_weights  # what the engine pushes; vllm itself is not needed for it
+
     before = logits(policy, tokenizer)
-    weights = {name: value() if callable(value) else value for name, value in lora_merged_weights(policy).items()}
+    weights = {name: value() if callable(value) else value for name, value in policy_weights(policy).items()}
     assert weights.keys() == merged.state_dict().keys()
     for name, value in weights.items():
         torch.testing.assert_close(value.float(), merged.state_dict()[name].float())

@@ -23,6 +23,7 @@ from grpokit.rewards.registry import reward_names
 from grpokit.rollout.engine import WeightSyncError
 from grpokit.rundir import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, default_run_dir, latest_default_run_dir
 from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
+from grpokit.tasks.registry import task_names
 
 # The training stack (pipeline, train, eval and what only they use) is imported where a command
 # runs, not here: `grpokit --help` and `grpokit bench` start without it.
@@ -93,7 +94,8 @@ def config_keys_help(demo: bool) -> str:
              "grpo.loss": f"(registered: {', '.join(sorted(POLICY_LOSSES))}; or 'package.module:name')",
              "grpo.advantage": f"(registered: {', '.join(sorted(ADVANTAGES))}; or 'package.module:name')",
              "rollout.is_correction": f"(registered: none, {', '.join(sorted(IS_CORRECTIONS))}; or "
-                                      f"'package.module:name')"}
+                                      f"'package.module:name')",
+             "task.name": f"(registered: {', '.join(task_names())})"}
     return ("config keys (YAML or --key=value; a bare leaf name works when unique)"
             + (", with the demo preset's values:\n" if demo else ":\n") + describe(Config, defaults, notes))
 

@@ -92,6 +92,9 @@ class DistributedConfig:
 
 @dataclass
 class TaskConfig:
+    name: str = opt("auto", "the task: auto (math when data names any sources, else chain), a registered task, "
+                            "or your own as 'package.module:ClassName'; a named task's own reward replaces the "
+                            "default rewards")
     min_ops: int = opt(3, "fewest operations in a chain question")
     max_ops: int = opt(5, "most operations in a chain question")
     max_start: int = opt(20, "largest starting number")
@@ -309,7 +312,7 @@ class Config:
     algo: Literal["grpo", "ppo"] = opt("grpo", "grpo, or the ppo baseline (critic + GAE, KL in the reward; "
                                                "shares sampling, lr, epsilon and beta with the grpo section)")
     model: ModelConfig = opt(ModelConfig, "the policy (and frozen reference) model")
-    task: TaskConfig = opt(TaskConfig, "the built-in chain-arithmetic task")
+    task: TaskConfig = opt(TaskConfig, "which task, and the shape of the built-in chain-arithmetic task")
     data: DataConfig = opt(DataConfig, "RL prompts from a file instead of the built-in task")
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning that produces pi_SFT")
     grpo: GRPOConfig = opt(GRPOConfig, "the GRPO stage")
@@ -636,7 +639,33 @@ def validate(config: Config) -> None:
         check_trackers(config.report_to)  # a missing tracker package, before any model loads
     except TrackerError as err:
         raise ConfigError(str(err)) from None
+    _check_task(config)
     _check_rewards(config)
+
+
+def _check_task(config: Config) -> None:
+    """task.name names a task, before any model loads. A named task's own reward replaces the
+    default rewards (chain_accuracy, which would score its answers by chain's rule), and naming
+    another task's reward is refused."""
+    # tasks sit above config (they import it, through eval): the one import against the layers,
+    # listed in pyproject.toml's ignore_imports; in here so that importing config does not cycle
+    from grpokit.tasks.registry import TASKS, task_class
+
+    name = config.task.name
+    if name == "auto":
+        return
+    try:
+        cls = task_class(name)
+    except ValueError as err:
+        raise ConfigError(f"task.name: {err}") from None
+    if cls.reward and config.rewards == [RewardConfig()]:
+        config.rewards = [RewardConfig(name=cls.reward)]
+    graders = {t.reward: t.name for t in TASKS.values() if t is not cls and t.reward and t.reward != cls.reward}
+    for i, reward in enumerate(config.rewards):
+        if reward.name in graders:
+            fix = f"--rewards='[{{name: {cls.reward}}}]'" if cls.reward else "a reward that grades it"
+            raise ConfigError(f"rewards[{i}]: {reward.name} grades the {graders[reward.name]} task, not "
+                              f"task.name={name}: use {fix}")
 
 
 def _check_engine(rollout: RolloutConfig) -> None:

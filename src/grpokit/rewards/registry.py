@@ -50,37 +50,41 @@ def get_reward_function(name: str) -> RewardFunction:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" not in name:
-        raise ValueError(_unknown_name(name))
+        raise ValueError(unknown_name(name, sorted(_REGISTRY)))
     module_name, _, attr = name.partition(":")
-    module = _import(module_name, name)
+    module = import_user_module(module_name, name)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
-def _unknown_name(name: str) -> str:
+def unknown_name(name: str, names: list[str], what: str = "reward function", known: str = "built-in",
+                 member: str = "function") -> str:
+    """The error for a `what` that is neither one of `names` nor an import path: the closest name,
+    or the colon an import path lacks."""
     if "." in name:  # an import path written without its colon
         module, _, attr = name.rpartition(".")
-        hint = f" (an import path puts a colon before the function: '{module}:{attr}')"
+        hint = f" (an import path puts a colon before the {member}: '{module}:{attr}')"
     else:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        close = difflib.get_close_matches(name, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return (f"unknown reward function {name!r}{hint}; the built-in ones are {', '.join(sorted(_REGISTRY))}, "
-            "or name your own as 'package.module:function'")
+    return (f"unknown {what} {name!r}{hint}; the {known} ones are {', '.join(names)}, "
+            f"or name your own as 'package.module:{member}'")
 
 
-def _import(module_name: str, name: str):
-    """`module_name`, from sys.path or else the working directory (last, so it shadows nothing)."""
+def import_user_module(module_name: str, name: str, what: str = "reward function"):
+    """`module_name`, from sys.path or else the working directory (last, so it shadows nothing),
+    for the import path `name` of a `what`."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         return importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward function {name!r}: cannot import module {module_name!r} ({err}); looked in "
+        raise ValueError(f"{what} {name!r}: cannot import module {module_name!r} ({err}); looked in "
                          f"the working directory {os.getcwd()} and on PYTHONPATH") from None
     except Exception as err:  # the module itself is broken: say how, without a traceback
-        raise ValueError(f"reward function {name!r}: importing module {module_name!r} failed with "
+        raise ValueError(f"{what} {name!r}: importing module {module_name!r} failed with "
                          f"{type(err).__name__}: {err}") from None
 
 

@@ -21,7 +21,9 @@ class TaskData:
 
 
 class Task(Protocol):
-    name: str
+    name: str  # what task.name calls it (register_task sets it)
+    # the reward that grades it in RL (a rewards[].name); a named task's replaces the default rewards; None if none
+    reward: str | None
     # (row, steps) -> [bool]: which step first goes wrong, where a rule can tell; None otherwise
     step_labeller: Callable[[dict, list[str]], list[bool]] | None
     # (row, right completion, rng) -> the same solution with one slip (a hard negative); None where no rule can make one
@@ -44,15 +46,14 @@ class Task(Protocol):
 
 
 def task_for(config: Config) -> Task:
-    """The files' math questions when the config names any data, else the built-in chain arithmetic."""
-    d = config.data
-    if d.sources or d.sft_sources or d.eval_sources:
-        from grpokit.tasks.math import MathTask
+    """The task task.name names. "auto": the files' math questions when the config names any
+    data, else the built-in chain arithmetic."""
+    from grpokit.tasks.registry import task_class
 
-        return MathTask(config)
-    from grpokit.tasks.chain import ChainTask
-
-    return ChainTask(config)
+    name, d = config.task.name, config.data
+    if name == "auto":
+        name = "math" if d.sources or d.sft_sources or d.eval_sources else "chain"
+    return task_class(name)(config)
 
 
 def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config, engine=None,

@@ -8,6 +8,7 @@ from grpokit.config import Config
 from grpokit.data import arithmetic
 from grpokit.eval.tir import last_output
 from grpokit.tasks.base import TaskData
+from grpokit.tasks.registry import register_task
 
 
 def _question(row: dict) -> str:
@@ -24,8 +25,9 @@ def chain_hard_negative(row: dict, completion: str, rng) -> str | None:
     return arithmetic.one_slip(_question(row), completion, rng)
 
 
+@register_task("chain")
 class ChainTask:
-    name = "chain"
+    reward = "chain_accuracy"
     step_labeller = staticmethod(chain_step_labeller)
     hard_negative = staticmethod(chain_hard_negative)
 

@@ -12,6 +12,7 @@ from grpokit.data.sources import build_rows
 from grpokit.rewards import get_reward_function
 from grpokit.rewards.answers import extract_final_answer
 from grpokit.tasks.base import TaskData
+from grpokit.tasks.registry import register_task
 
 
 def is_heldout(prompt: str, fraction: float) -> bool:
@@ -19,8 +20,9 @@ def is_heldout(prompt: str, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
+@register_task("math")
 class MathTask:
-    name = "math"
+    reward = "math_accuracy"
     step_labeller = None  # step labels of free-form solutions come from a file (train-rm --process --data)
     hard_negative = None  # no rule can slip one step of a free-form solution and know the rest
 

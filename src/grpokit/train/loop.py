@@ -1,9 +1,11 @@
 """The one training loop (Algorithm 1's inner loop) that GRPO and PPO share.
 
-Each step: sample B prompts -> G completions each through the rollout engine -> rewards ->
-the algorithm's learning step (train/grpo.py or train/ppo.py) -> sync the engine. The loop owns
-the policy, its optimizer, the run directory and checkpoints; an algorithm owns what differs:
-its advantages, its loss, and any model of its own (PPO's critic).
+Each step (Trainer.step, top to bottom): sample B prompts -> G completions each through the
+rollout engine -> rewards (and a process reward model's step scores) -> the log-probs the update
+holds fixed (pi_ref, pi_old) -> the algorithm's advantages -> mu epochs of optimizer steps on the
+algorithm's loss -> the algorithm's own model (PPO's critic) -> sync the engine. The loop owns
+the policy, its optimizer, forward, backward, the run directory and checkpoints; an algorithm
+(train/algorithm.py) owns what differs, and never holds the trainer.
 
 Device discipline: the engine may return tensors anywhere; the rollout and the rewards move
 to the policy's device once, here, and every tensor a step creates lives there.
@@ -33,16 +35,19 @@ from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, NullWriter, truncate_metrics
 from grpokit.micro_batches import split_by_tokens
-from grpokit.models.lora import AdapterDisabledReference, is_lora, merged_state_dict
+from grpokit.models.lora import AdapterDisabledReference, as_module, is_lora, merged_state_dict
 from grpokit.models.precision import as_frozen
 from grpokit.progress import progress
 from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharded, load_optimizer_state,
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
+from grpokit.rewards.learned import ProcessRewardModel
 from grpokit.rewards.scoring import row_columns
-from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds
+from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds, token_logprobs
+from grpokit.rollout.logprobs import attended_ends
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
+from grpokit.train.algorithm import Algorithm, Batch
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -104,34 +109,10 @@ MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s",
 
 
 
-class Algorithm:
-    """What differs between GRPO and PPO. `learn` turns a scored rollout into updates through
-    Trainer.update; the checkpoint hooks carry any model and optimizer the algorithm owns."""
-
-    name = ""
-
-    def attach(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-
-    @property
-    def config(self) -> GRPOConfig:
-        return self.trainer.config
-
-    def learn(self, trainer: "Trainer", rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
-              timings: dict) -> dict:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def save_files(self, directory: Path) -> None:
-        pass
-
-    def load_files(self, directory: Path) -> None:
-        pass
+def row_tokens(rollout: Rollout) -> torch.Tensor:
+    """[N] tokens each row's forward computes: its prompt columns and its completion up to the
+    last attended token (token_logprobs cuts a micro-batch to its longest row the same way)."""
+    return attended_ends(rollout.attention_mask).clamp(min=rollout.prompt_length + 1)
 
 
 class Trainer:
@@ -153,13 +134,14 @@ class Trainer:
         logger: MetricsLogger | None = None,
         rollout_config: RolloutConfig | None = None,
         save_merged: bool = False,
+        process_reward: ProcessRewardModel | None = None,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
         missing = [i for i, row in enumerate(dataset[:1000]) if "prompt" not in row]
         if missing:
             raise ValueError(f"dataset rows {missing[:5]} have no 'prompt' field")
-        if not rewards and getattr(algorithm, "process_reward", None) is None:
+        if not rewards and process_reward is None:
             raise ValueError("GRPO needs a reward: rule-based functions under `rewards`, a reward model, or both")
         self.model, self.tokenizer, self.rewards = model, tokenizer, rewards
         self.device = model_device(model)
@@ -199,8 +181,9 @@ class Trainer:
             top_p=config.top_p,
             batch_size=config.generation_batch_size,
         )
+        self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
         self.algorithm = algorithm
-        algorithm.attach(self)
+        algorithm.setup(model, config, self.rollout_config)
 
     # ------------------------------------------------------------------ the loop
 
@@ -254,8 +237,23 @@ class Trainer:
         release = getattr(self.engine, "release_memory", None)
         if release is not None:  # the update may use the engine's memory; it gets new weights after
             release(weights_pushed_next=self.engine.copies_weights)
+        t = time.perf_counter()
+        self._score_steps(rollout, result)
+        timings["perf/scoring_time_s"] += time.perf_counter() - t
         rollout, loss_mask = self.on_policy_device(rollout, result)
-        stats = self.algorithm.learn(self, rollout, result, loss_mask, timings)
+
+        t = time.perf_counter()  # the log-probs the update holds fixed, then the advantages
+        ref_logp, old_logp = self.fixed_logprobs(rollout)
+        batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, self.tokenizer, bool(self.rewards))
+        advantages, algorithm_stats = self.algorithm.advantages(batch)
+        timings["perf/logprob_time_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()  # mu epochs of policy updates, then any model of the algorithm's own
+        stats = self.update_policy(rollout, advantages, loss_mask, ref_logp, old_logp)
+        stats.update(self.algorithm.update_own_model(batch, self.update))
+        stats.update(algorithm_stats)
+        timings["perf/update_time_s"] = time.perf_counter() - t
+
         t = time.perf_counter()
         if self.engine.copies_weights:  # the next step samples from the updated policy
             self.push_weights(self.global_step + 1)
@@ -344,6 +342,78 @@ class Trainer:
         result = RewardResult.cat([res.take(rows) for _, res, rows in parts])
         return rollout, result, {"sampling/groups_sampled": sampled, "sampling/groups_dropped": sampled - kept,
                                  "sampling/rounds": rounds}
+
+    def _score_steps(self, rollout: Rollout, result: RewardResult) -> None:
+        """Process supervision: the process reward model scores each completion's steps into
+        result.step_scores; with no rule-based reward, result.total becomes each completion's mean
+        step score, for the log and progress bar only."""
+        if self.process_reward is None:
+            return
+        result.step_scores = self.process_reward.score_steps(rollout.prompts, rollout.completions)
+        if not self.rewards:
+            result.total = torch.tensor([sum(s.rewards) / len(s.rewards) for s in result.step_scores],
+                                        dtype=torch.float64)
+
+    def logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        """[N, T] log-probs of the rollout's completions under `model` (no gradient), on the policy's
+        device. `model` may be a LoRA policy's reference: the policy with its adapters disabled."""
+        cfg = self.config
+        with torch.no_grad(), as_module(model) as module:
+            logp, _ = token_logprobs(module, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                     cfg.temperature, cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+                                     budget_key="grpo.max_tokens_per_micro_batch")
+        return logp.to(self.device)
+
+    def fixed_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(pi_ref's log-probs when the algorithm uses the reference, pi_old's when it asks for them),
+        computed once per batch before the update."""
+        ref_logp = self.logprobs(self.ref_model, rollout) if self.algorithm.wants_reference() else None
+        old_logp = self.logprobs(self.model, rollout) if self.algorithm.wants_old_logprobs() else None
+        return ref_logp, old_logp
+
+    def policy_micro_loss(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                          ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None):
+        """micro_loss(rows, epoch, total) for update(): the algorithm's loss of those rows over the
+        minibatch's count `total`, and the tensors the log sums. Every tensor lives on the policy's device."""
+        cfg = self.config
+        with_ref = ref_logp is not None and self.algorithm.loss_beta > 0
+
+        def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
+            mask = loss_mask[micro]
+            logp, entropy = token_logprobs(self.model, rollout.input_ids[micro], rollout.attention_mask[micro],
+                                           rollout.prompt_length, cfg.temperature, len(micro), with_entropy=epoch == 0)
+            old = old_logp[micro] if old_logp is not None else logp.detach()
+            sampling = rollout.sampling_logp[micro] if rollout.sampling_logp is not None else None
+            loss, stats = self.algorithm.loss(logp, old, ref_logp[micro] if with_ref else None, advantages[micro],
+                                              mask, total, sampling)
+            tokens = stats["tokens"]
+            sums = {key: stats[key] * tokens for key in ("kl", "clip_fraction", "ratio_mean", "policy_loss")}
+            sums.update(loss=loss.detach(), tokens=tokens)
+            if sampling is not None:  # how far the engine's log-probs are from the trainer's pi_old
+                sums["rollout/logp_mismatch"] = ((old.to(sampling.dtype) - sampling).abs() * mask).sum()
+            # the correction's own shares: tis is_capped_frac, icepop is_dropped_frac, ...
+            sums.update({f"rollout/{k}": v * tokens for k, v in stats.items() if k.startswith("is_")})
+            if entropy is not None:
+                cm = rollout.completion_mask[micro].to(entropy.dtype)
+                sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
+            return loss, sums
+
+        return micro_loss
+
+    def update_policy(self, rollout: Rollout, advantages, loss_mask, ref_logp, old_logp) -> dict:
+        """mu epochs of policy updates through update(); the step's policy metrics."""
+        sums, skipped = self.update(self.model, self.optimizer, self.scheduler, loss_mask,
+                                    self.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp),
+                                    row_lengths=row_tokens(rollout))
+        tokens = sums.get("tokens", 0.0)
+        out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "policy_loss") if k in sums} \
+            if tokens else {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}
+        out["loss"] = sums.get("loss", 0.0) / max(1.0, sums.get("optimizer_steps", 0.0))  # mean over optimizer steps
+        out.update({k: v / tokens for k, v in sums.items() if k.startswith("rollout/") and tokens})
+        out["entropy"] = sums["entropy_sum"] / sums["entropy_tokens"] if sums.get("entropy_tokens") else float("nan")
+        out["grad_norm"] = sums["grad_norm_sum"] / sums["optimizer_steps"] if sums.get("optimizer_steps") else 0.0
+        out["skipped_updates"] = skipped
+        return out
 
     def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
         """(the rollout moved to the policy's device, the loss mask there): completion tokens of
@@ -488,9 +558,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it.
         Every process calls it: rank 0 writes the gathered weights, each process its own state."""
-        before_save = getattr(self.algorithm, "before_save", None)
-        if before_save is not None:
-            before_save()  # gathers what the algorithm saves (collective under FSDP2)
+        self.algorithm.before_save()  # gathers what the algorithm saves (collective under FSDP2)
         # the full weights, gathered once (collective under FSDP2; on rank 0)
         self._gathered = full_state_dict(self.model) if is_sharded(self.model) or self.save_merged else None
         try:

@@ -1,7 +1,7 @@
 """PPO as DeepSeekMath describes it (docs/algorithm.md, eq. 1-2): the baseline GRPO removes.
 
-Same rollout, rewards, checkpointing and training loop as GRPO (train/loop.py); only the
-learning step differs:
+Same rollout, rewards, policy update, checkpointing and training loop as GRPO (train/loop.py);
+only the advantages, the loss's KL and a model of its own differ:
   per-token reward  r_t = -beta (log pi_old - log pi_ref)  (+ the scalar reward at the last token)
   advantages        GAE(gamma, lambda) over r_t and the critic's values V(s_t)
   policy            the clipped surrogate, per-output mean (no KL term: it is in the reward)
@@ -10,7 +10,6 @@ learning step differs:
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -22,9 +21,8 @@ from grpokit.math import gae_advantages, kl_k3, value_loss
 from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_state_dict, load_optimizer_state,
                                      local_tensors, shard_model)
 from grpokit.models.value import build_critic, token_values
-from grpokit.rewards import RewardResult
-from grpokit.train.grpo import policy_logprobs, row_tokens, update_policy
-from grpokit.train.loop import Algorithm, Trainer
+from grpokit.train.algorithm import Algorithm, Batch, Update
+from grpokit.train.loop import Trainer, row_tokens
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -65,76 +63,77 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 class PPO(Algorithm):
-    """PPO's learning step: a critic, GAE over KL-shaped token rewards, the clipped surrogate."""
+    """PPO's learning step: a critic of its own, GAE over KL-shaped token rewards, the clipped
+    surrogate without a KL term (it is in the reward)."""
 
     name = "ppo"
-    process_reward = None
 
     def __init__(self, ppo: PPOConfig | None = None, critic: torch.nn.Module | None = None):
         self.ppo, self.critic = ppo or PPOConfig(), critic
 
-    def attach(self, trainer: Trainer) -> None:
-        super().attach(trainer)
+    def setup(self, policy: torch.nn.Module, config: GRPOConfig, rollout_config) -> None:
+        super().setup(policy, config, rollout_config)
         # PPO needs pi_ref whenever beta > 0 (the KL is in the reward), exactly like GRPO.
         if self.critic is None:
-            self.critic = build_critic(trainer.model, self.ppo.critic_init)
-        if is_sharded(trainer.model) and not is_sharded(self.critic):
+            self.critic = build_critic(policy, self.ppo.critic_init)
+        if is_sharded(policy) and not is_sharded(self.critic):
             self.critic = shard_model(self.critic)  # the critic is sharded like the policy
         self._critic_state = None
         self.critic.eval()  # no dropout in value estimates; gradients flow all the same
-        self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, self.config.weight_decay)
-        self.critic_scheduler = warmup_constant(self.critic_optimizer, self.config.warmup_steps)
+        self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, config.weight_decay)
+        self.critic_scheduler = warmup_constant(self.critic_optimizer, config.warmup_steps)
 
-    def values(self, trainer: Trainer, rollout: Rollout, rows=None) -> torch.Tensor:
-        """[n, T] critic values V(s_t) of the completion tokens, moved to the policy's device."""
+    @property
+    def loss_beta(self) -> float:
+        return 0.0  # the KL is in the token rewards
+
+    def wants_old_logprobs(self) -> bool:
+        return True  # the KL-shaped rewards use pi_old's log-probs
+
+    def values(self, rollout: Rollout, rows=None) -> torch.Tensor:
+        """[n, T] critic values V(s_t) of the completion tokens, on the critic's device."""
         rows = slice(None) if rows is None else rows
-        values = token_values(self.critic, rollout.input_ids[rows], rollout.attention_mask[rows],
-                              rollout.prompt_length, self.config.micro_batch_size,
-                              max_tokens=self.config.max_tokens_per_micro_batch,
-                              budget_key="grpo.max_tokens_per_micro_batch")
-        return values.to(trainer.device)
+        return token_values(self.critic, rollout.input_ids[rows], rollout.attention_mask[rows],
+                            rollout.prompt_length, self.config.micro_batch_size,
+                            max_tokens=self.config.max_tokens_per_micro_batch,
+                            budget_key="grpo.max_tokens_per_micro_batch")
 
-    def learn(self, trainer: Trainer, rollout: Rollout, result: RewardResult, loss_mask: torch.Tensor,
-              timings: dict) -> dict:
-        cfg, ppo = self.config, self.ppo
-        t = time.perf_counter()
-        ref_logp = policy_logprobs(trainer, trainer.ref_model, rollout) if cfg.beta > 0 else None
-        old_logp = policy_logprobs(trainer, trainer.model, rollout)
+    def advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        cfg, ppo, mask = self.config, self.ppo, batch.loss_mask
+        device = mask.device
         with torch.no_grad():
-            old_values = self.values(trainer, rollout)
-        timings["perf/logprob_time_s"] = time.perf_counter() - t
-
-        valid = result.valid.to(trainer.device)
-        scores = torch.where(valid, result.total.to(trainer.device), 0.0).float()
-        rewards = shaped_token_rewards(scores, old_logp, ref_logp, loss_mask, cfg.beta)
-        advantages, returns = gae_advantages(rewards, old_values * loss_mask, loss_mask, ppo.gamma, ppo.lam)
+            old_values = self.values(batch.rollout).to(device)
+        valid = batch.result.valid.to(device)
+        scores = torch.where(valid, batch.result.total.to(device), 0.0).float()
+        rewards = shaped_token_rewards(scores, batch.old_logp, batch.ref_logp, mask, cfg.beta)
+        advantages, returns = gae_advantages(rewards, old_values * mask, mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
-            advantages = whiten(advantages, loss_mask)
+            advantages = whiten(advantages, mask)
+        batch.extras.update(old_values=old_values, returns=returns)
+        stats = {"value/explained_variance": explained_variance(old_values, returns, mask),
+                 "value/mean": float((old_values * mask).sum() / mask.sum().clamp(min=1))}
+        if batch.ref_logp is not None:  # report the same KL estimate GRPO reports, for comparison
+            m = mask.float()
+            stats["kl"] = float((kl_k3(batch.old_logp, batch.ref_logp) * m).sum() / m.sum().clamp(min=1))
+        return advantages, stats
 
-        t = time.perf_counter()
-        stats = update_policy(trainer, rollout, advantages, loss_mask, None, old_logp, beta=0.0)
-        sums, _ = trainer.update(self.critic, self.critic_optimizer, self.critic_scheduler, loss_mask,
-                                 self.critic_micro_loss(trainer, rollout, old_values, returns, loss_mask),
-                                 token_weighted=True, row_lengths=row_tokens(rollout))
+    def update_own_model(self, batch: Batch, update: Update) -> dict:
+        """The critic's clipped value-loss updates, through the loop's update (token-weighted)."""
+        sums, _ = update(self.critic, self.critic_optimizer, self.critic_scheduler, batch.loss_mask,
+                         self.critic_micro_loss(batch), token_weighted=True, row_lengths=row_tokens(batch.rollout))
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
-        stats["value/loss"] = sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0))
-        stats["value/clip_fraction"] = sums["clipped"] / tokens if tokens else 0.0
-        timings["perf/update_time_s"] = time.perf_counter() - t
-        if ref_logp is not None:  # report the same KL estimate GRPO reports, for comparison
-            m = loss_mask.float()
-            stats["kl"] = float((kl_k3(old_logp, ref_logp) * m).sum() / m.sum().clamp(min=1))
-        stats["value/explained_variance"] = explained_variance(old_values, returns, loss_mask)
-        stats["value/mean"] = float((old_values * loss_mask).sum() / loss_mask.sum().clamp(min=1))
-        return stats
+        return {"value/loss": sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0)),
+                "value/clip_fraction": sums["clipped"] / tokens if tokens else 0.0}
 
-    def critic_micro_loss(self, trainer: Trainer, rollout: Rollout, old_values, returns, loss_mask):
-        """micro_loss(rows, epoch) for Trainer.update: the clipped value loss, a token mean."""
-        clip = self.ppo.value_clip
+    def critic_micro_loss(self, batch: Batch):
+        """micro_loss(rows, epoch, total) for the loop's update: the clipped value loss, a token mean."""
+        clip, loss_mask = self.ppo.value_clip, batch.loss_mask
+        old_values, returns = batch.extras["old_values"], batch.extras["returns"]
 
         def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
             mask = loss_mask[micro]
-            values = self.values(trainer, rollout, micro)
+            values = self.values(batch.rollout, micro).to(mask.device)
             tokens = mask.sum()
             # value_loss is this micro-batch's token mean; times its share of the minibatch's tokens
             loss = value_loss(values, old_values[micro], returns[micro], mask, clip) * (tokens / (total or tokens))

@@ -1,0 +1,103 @@
+"""What an RL algorithm is to the training loop: advantages, a loss, and optionally a model of its
+own. The loop (train/loop.py) owns everything else (rollouts, rewards, log-probs, forward,
+backward, optimizer steps, checkpoints), so an algorithm never holds the trainer.
+
+GRPO (train/grpo.py) is group-relative advantages and the clipped objective with the KL in the
+loss; PPO (train/ppo.py) is GAE over KL-shaped token rewards with a critic of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from grpokit.config import GRPOConfig, RolloutConfig
+from grpokit.math import grpo_loss
+from grpokit.rewards import RewardResult
+from grpokit.types import Rollout
+
+
+@dataclass
+class Batch:
+    """One step's samples as the loop hands them to the algorithm, on the policy's device."""
+
+    rollout: Rollout
+    result: RewardResult  # on the CPU, as the rewards made it
+    loss_mask: torch.Tensor  # [N, T]: completion tokens of samples whose reward is valid
+    ref_logp: torch.Tensor | None  # [N, T] under pi_ref, when the algorithm uses it
+    old_logp: torch.Tensor | None  # [N, T] under pi_old, when the algorithm asks for it (else logp.detach())
+    tokenizer: object
+    rule_rewards: bool  # rewards from rule functions (False: a process reward model alone)
+    extras: dict = field(default_factory=dict)  # what advantages() leaves for update_own_model()
+
+
+# Trainer.update(model, optimizer, scheduler, loss_mask, micro_loss, token_weighted, row_lengths) -> (sums, skipped)
+Update = Callable[..., tuple[dict, int]]
+
+
+class Algorithm:
+    """The pieces of a learning step that differ between algorithms. The loop calls, each step:
+    advantages(batch) -> loss(...) on every micro-batch of its policy update -> update_own_model."""
+
+    name = ""
+
+    def setup(self, policy: torch.nn.Module, config: GRPOConfig, rollout_config: RolloutConfig) -> None:
+        """Called once by the loop before the first step (PPO builds its critic here)."""
+        self.config, self.rollout_config = config, rollout_config
+
+    @property
+    def loss_beta(self) -> float:
+        """The KL coefficient in the loss (GRPO: grpo.beta; PPO: 0, its KL is in the reward)."""
+        return self.config.beta
+
+    def wants_reference(self) -> bool:
+        return self.config.beta > 0
+
+    def wants_old_logprobs(self) -> bool:
+        """pi_old's log-probs before the update; without them pi_old = pi_theta exactly (one update
+        on one minibatch), and the loop uses logp.detach()."""
+        return self.config.num_iterations > 1 or self.config.num_minibatches > 1
+
+    def advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """([N] or [N, T] advantages on the policy's device, metrics of this step)."""
+        raise NotImplementedError
+
+    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+             advantages: torch.Tensor, mask: torch.Tensor, total: float | None,
+             sampling_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The policy loss of one micro-batch over the minibatch's count `total` (math.grpo_loss in
+        the configured loss, aggregation, importance level and correction)."""
+        cfg, r = self.config, self.rollout_config
+        corrected = r.is_correction != "none" and sampling_logp is not None
+        return grpo_loss(
+            logp, old_logp, ref_logp, advantages, mask, clip_eps=cfg.epsilon, beta=self.loss_beta,
+            clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
+            max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
+            sampling_logp=sampling_logp if corrected else None,
+            # rollout.is_cap is tis's own key, older than rollout.is_args
+            is_cap=r.is_cap if corrected and r.is_correction == "tis" else None,
+            denominator=total, policy_loss=cfg.loss, loss_args=cfg.loss_args,
+            is_correction=r.is_correction if corrected else None, is_args=r.is_args)
+
+    def update_own_model(self, batch: Batch, update: Update) -> dict:
+        """Train any model of the algorithm's own after the policy's update (PPO's critic)."""
+        return {}
+
+    # checkpoint hooks for a model and optimizer of the algorithm's own
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def before_save(self) -> None:
+        """Gather what save_files writes (every process calls it)."""
+
+    def save_files(self, directory: Path) -> None:
+        pass
+
+    def load_files(self, directory: Path) -> None:
+        pass
