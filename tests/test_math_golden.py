@@ -1,7 +1,7 @@
-"""Hand-worked golden tests for grpokit's math (SPEC.md).
+"""Hand-worked golden tests for grpokit's math (docs/algorithm.md).
 
 Every expected number below is derived by hand in the comments next to it, from the
-equations of SPEC.md, never by calling the implementation.
+equations of docs/algorithm.md, never by calling the implementation.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def close(actual, expected, rtol=1e-12, atol=1e-12):
 
 
 # ---------------------------------------------------------------------------
-# Clipping (SPEC "Clipping, read carefully")
+# Clipping (docs/algorithm.md, "Clipping, worked through")
 # ---------------------------------------------------------------------------
 
 
@@ -249,7 +249,7 @@ def test_outcome_two_groups_normalised_separately():
 @pytest.mark.parametrize("value", [0.1, 1.0, 0.0, -3.7, 1e6 + 0.1])
 def test_outcome_all_equal_group_is_exactly_zero(dtype, scale, value):
     # (0.1 + 0.1 + 0.1) / 3 is not exactly 0.1 in floating point, so r - mean would leave a
-    # rounding residue that 1/(0 + eps) amplifies; the SPEC requires exactly 0.
+    # rounding residue that 1/(0 + eps) amplifies; docs/algorithm.md requires exactly 0.
     r = torch.tensor([value] * 3 + [1.0, 2.0, 4.0], dtype=dtype)
     a = outcome_advantages(r, group_size=3, scale=scale)
     assert a.dtype == dtype

@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) for grpokit's math, from the invariants stated in SPEC.md."""
+"""Property tests (hypothesis) for grpokit's math, from the invariants stated in docs/algorithm.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""grpokit's math against an independent float64 reference written from SPEC.md.
+"""grpokit's math against an independent float64 reference written from docs/algorithm.md.
 
 The reference below uses plain Python loops over floats (or per-element torch scalar ops
-where autograd is needed). It follows the equations of SPEC.md directly -- e.g. GAE as the
+where autograd is needed). It follows the equations of docs/algorithm.md directly -- e.g. GAE as the
 explicit sum A_t = sum_l (gamma lam)^l delta_{t+l}, process advantages as the explicit sum
 over the steps ending at or after t -- rather than mirroring the vectorised implementation.
 """

@@ -124,7 +124,7 @@ def test_hard_negative_examples_pair_or_label_each_right_solution_with_its_twins
 
 
 def test_step_ends_map_exactly_to_tokens_with_a_multi_token_delimiter_and_a_final_step_without_one():
-    """The golden test of process advantages on a PRM-scored batch (SPEC eq. 6).
+    """The golden test of process advantages on a PRM-scored batch (docs/algorithm.md, eq. 6).
 
     Character tokenizer, delimiter "<step>" (6 tokens). Group of G = 2:
       completion 1 "ab<step>c" + EOS: tokens a b < s t e p > c EOS (10); steps "ab<step>" and "c"

@@ -8,13 +8,11 @@ import os
 import sys
 from importlib import resources
 
-import yaml
-
 from grpokit import distributed
 from grpokit.bench.cost import main as cost_main
 from grpokit.bench.memory import main as memory_main
 from grpokit.checkpoint import CheckpointError
-from grpokit.config import Config, ConfigError, describe, load_config, resolve_key
+from grpokit.config import Config, ConfigError, describe, load_config
 from grpokit.data.files import DatasetError
 from grpokit.distributed import PeerFailure
 from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
@@ -29,11 +27,8 @@ from grpokit.tasks.registry import task_names
 # runs, not here: `grpokit --help` and `grpokit bench` start without it.
 
 DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
-# A learned reward is easier to exploit than a verifier: where the reward model cannot check the
-# arithmetic (it learns that worked solutions tend to be right, not which ones are), a firmer
-# KL anchor keeps the policy's arithmetic from drifting while it learns to show its steps. The
-# demo's model-reward variants use this beta unless one is given (README: reward models).
-REWARD_MODEL_BETA = 0.2
+# The demo's model-reward variants also read this layer (grpo.beta 0.2; README: reward models).
+DEMO_REWARD_MODEL_PRESET = resources.files("grpokit") / "presets" / "demo_reward_model.yaml"
 COMMANDS = {
     "demo": "SFT a tiny model, GRPO it, show the before/after table (CPU, minutes); the stages of presets/demo.yaml",
     "sft": "SFT model.name_or_path on data.sft_sources (default: the built-in task's demonstrations)",
@@ -138,19 +133,6 @@ def demo_variant_overrides(args) -> list[str]:
     return out
 
 
-def _user_set(key: str, config: list[str], overrides: list[str]) -> bool:
-    """Whether a user's YAML file or an override sets dotted `key` (so a default must not replace it)."""
-    if any(resolve_key(item.removeprefix("--").split("=", 1)[0]) == key for item in overrides):
-        return True
-    for path in config:
-        node = yaml.safe_load(open(path)) or {}
-        for part in key.split("."):
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        if node != {}:
-            return True
-    return False
-
-
 def bench(argv: list[str]) -> int:
     """`grpokit bench cost ...` (measured) or `grpokit bench memory ...` (analytic)."""
     if argv[:1] == ["cost"]:
@@ -196,11 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
     try:
         config = load_config(files, overrides)  # fails here, before any model loads
+        if args.command == "demo" and config.reward_model.kind != "none":  # a layer under the user's own
+            config = load_config([str(DEMO_PRESET), str(DEMO_REWARD_MODEL_PRESET), *user_files], overrides)
         check_model_config(config)
         choose_run_dir(args, config)
-        if args.command == "demo" and config.reward_model.kind != "none" and not _user_set("grpo.beta", user_files,
-                                                                                             overrides):
-            config.grpo.beta = REWARD_MODEL_BETA
         return _run(args, config)
     except ConfigError as err:
         print(f"grpokit: config error: {err}", file=sys.stderr)

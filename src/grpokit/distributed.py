@@ -87,10 +87,6 @@ def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0")) if is_initialized() else 0
-
-
 def is_main() -> bool:
     return rank() == 0
 
