@@ -342,14 +342,15 @@ class VLLMEngine:
         self._weights_discarded = False
         self.last_sync_s = time.perf_counter() - start
 
-    def _names(self, state_dict: Mapping[str, object]) -> dict[str, object]:
+    def _names(self, state_dict: Mapping[str, object], known: frozenset | set = frozenset()) -> dict[str, object]:
         """`state_dict` under the names a checkpoint of the plain model uses: wrapper prefixes
-        dropped, and a tied lm_head left out (it is the embedding; vLLM shares it already)."""
+        dropped, and a tied lm_head left out (it is the embedding; vLLM shares it already) unless
+        `known`, the names the engine was built with, holds it."""
         weights = {}
         for name, tensor in state_dict.items():
             for prefix in _WRAPPER_PREFIXES:
                 name = name.removeprefix(prefix)
-            if not (self._is_tied_head(name) and name not in getattr(self, "_weight_names", ())):
+            if not (self._is_tied_head(name) and name not in known):
                 weights[name] = tensor
         return weights
 
@@ -357,7 +358,7 @@ class VLLMEngine:
         """(name, tensor) pairs for vLLM, made one at a time: a LoRA layer's merged weight, or a
         sharded parameter gathered whole, exists only while vLLM copies it. The names are checked
         before anything is pushed."""
-        weights = self._names(state_dict)
+        weights = self._names(state_dict, self._weight_names)
         missing = sorted(self._weight_names - weights.keys())
         unknown = sorted(weights.keys() - self._weight_names)
         if missing or unknown:
