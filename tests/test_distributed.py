@@ -237,6 +237,9 @@ def _generation_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # training goes on after generation: a forward and backward with the usual sharding
         loss = model(input_ids=out.input_ids[:, :8]).logits.float().mean()
         loss.backward()
+        # backward's last reduce-scatter may still be in flight on the other process: tearing the
+        # group down under it aborts gloo (as a run's final checkpoint barrier would prevent)
+        distributed.barrier()
     finally:
         distributed.shutdown()
 
