@@ -81,7 +81,7 @@ def generation_rates(vllm, merged_llm, adapter_llm, policy, repeats: int) -> dic
     """Tokens/s from the merged weights and through the adapter, alternating."""
     from vllm.lora.request import LoRARequest
 
-    rows = arithmetic.make_rows(arithmetic.sample_questions(64, 0, arithmetic.ChainTask(), "train"))
+    rows = arithmetic.make_rows(arithmetic.sample_questions(64, 0, arithmetic.ChainSpec(), "train"))
     prompts = [r["prompt"] for r in rows]
     rates: dict[str, list[float]] = {"generate, merged weights": [], "generate, through the adapter": []}
     with tempfile.TemporaryDirectory() as root:

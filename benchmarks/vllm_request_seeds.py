@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     model = build_tiny_model(tokenizer)
-    rows = arithmetic.make_rows(arithmetic.sample_questions(args.requests // args.group, 0, arithmetic.ChainTask(),
+    rows = arithmetic.make_rows(arithmetic.sample_questions(args.requests // args.group, 0, arithmetic.ChainSpec(),
                                                             "train"))
     prompts = [r["prompt"] for r in rows]
     engine = VLLMEngine(model, tokenizer, max_model_len=256, kv_cache_gb=0.25)

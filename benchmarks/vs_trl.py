@@ -165,7 +165,7 @@ def prepare(name: str, workdir: Path, sft_steps: int, seed: int, threads: int, n
     shape = CONFIGS[name]
     out = workdir / f"{name}-sft{sft_steps}-seed{seed}"
     data = workdir / f"rl-prompts-seed{seed}-{num_rl_questions}.jsonl"
-    task = arithmetic.ChainTask()
+    task = arithmetic.ChainSpec()
     if not data.is_file():
         rows = arithmetic.make_rows(arithmetic.sample_questions(num_rl_questions, seed + 1, task, "train"))
         data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))

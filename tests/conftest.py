@@ -58,7 +58,7 @@ def scripted_engine():
 
 @pytest.fixture(scope="session")
 def chain_rows():
-    task = arithmetic.ChainTask()
+    task = arithmetic.ChainSpec()
     return arithmetic.make_rows(arithmetic.sample_questions(64, 0, task, "train"))
 
 

@@ -33,7 +33,7 @@ def test_check_steps_grades_each_line_against_the_line_above():
 
 
 def test_splits_are_disjoint_and_reproducible():
-    task = arithmetic.ChainTask()
+    task = arithmetic.ChainSpec()
     train = arithmetic.sample_questions(2000, 0, task, "train")
     heldout = arithmetic.sample_questions(300, 0, task, "heldout")
     assert not set(train) & set(heldout)
@@ -43,7 +43,7 @@ def test_splits_are_disjoint_and_reproducible():
 
 
 def test_questions_respect_the_task_bounds():
-    task = arithmetic.ChainTask(min_ops=2, max_ops=3, max_start=20, max_operand=5, max_value=30)
+    task = arithmetic.ChainSpec(min_ops=2, max_ops=3, max_start=20, max_operand=5, max_value=30)
     for q in arithmetic.sample_questions(300, 1, task, "train"):
         steps, answer = arithmetic.solve(q)
         assert 1 <= len(steps) <= 2  # one line fewer than operations: the answer line does the last
@@ -54,9 +54,9 @@ def test_questions_respect_the_task_bounds():
 
 def test_bad_task_is_rejected():
     with pytest.raises(ValueError, match="min_ops"):
-        arithmetic.ChainTask(min_ops=3, max_ops=2)
+        arithmetic.ChainSpec(min_ops=3, max_ops=2)
     with pytest.raises(ValueError, match="split must be"):
-        arithmetic.sample_questions(1, 0, arithmetic.ChainTask(), "dev")
+        arithmetic.sample_questions(1, 0, arithmetic.ChainSpec(), "dev")
 
 
 def test_shows_steps():
@@ -93,7 +93,7 @@ def test_tir_demonstrations_show_exactly_what_the_harness_appends():
 
 
 def test_the_tir_alphabet_spells_every_tir_prompt_and_demonstration():
-    rows = arithmetic.make_tir_rows(arithmetic.sample_questions(200, 0, arithmetic.ChainTask(), "train"))
+    rows = arithmetic.make_tir_rows(arithmetic.sample_questions(200, 0, arithmetic.ChainSpec(), "train"))
     text = "".join(r["prompt"] + r["solution"] for r in rows)
     assert set(text) <= set(arithmetic.TIR_ALPHABET)
     assert not set("`()") & set(arithmetic.ALPHABET)  # the CoT-only alphabet cannot write a program
@@ -116,7 +116,7 @@ def test_one_slip_golden():
 @given(st.integers(0, 10_000), st.booleans())
 def test_one_slip_changes_one_result_and_carries_on_from_it(seed, worked):
     rng = random.Random(seed)
-    question = arithmetic.random_question(rng, arithmetic.ChainTask())
+    question = arithmetic.random_question(rng, arithmetic.ChainSpec())
     steps, answer = arithmetic.solve(question)
     right = arithmetic.format_solution(question) if worked else f"A: {answer}"
     twin = arithmetic.one_slip(question, right, rng)

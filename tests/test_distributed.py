@@ -39,7 +39,7 @@ def tiny(tokenizer):
 def fixed_batch():
     """(rows, rollout, rewards, valid): 4 prompts x 4 completions sampled once, uneven lengths."""
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
-    rows = arithmetic.make_rows(arithmetic.sample_questions(PROMPTS, 0, arithmetic.ChainTask(), "train"))
+    rows = arithmetic.make_rows(arithmetic.sample_questions(PROMPTS, 0, arithmetic.ChainSpec(), "train"))
     torch.manual_seed(1234)
     rollout = sample_groups(tiny(tokenizer), tokenizer, [r["prompt"] for r in rows], G,
                             SamplingParams(max_new_tokens=10, temperature=1.0), rows)
@@ -105,7 +105,7 @@ def sft_losses(shard: bool) -> list[float]:
     model = tiny(tokenizer)
     if shard:
         shard_model(model)
-    questions = arithmetic.sample_questions(16, 0, arithmetic.ChainTask(), "train")
+    questions = arithmetic.sample_questions(16, 0, arithmetic.ChainSpec(), "train")
     demos = [(r["prompt"], r["solution"]) for r in arithmetic.make_sft_rows(questions, 0.5, 0)]
     return sft_train(model, tokenizer, demos, SFTConfig(max_steps=2, batch_size=8, warmup_steps=0), progress=False)
 

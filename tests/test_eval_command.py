@@ -19,8 +19,6 @@ from grpokit.eval.benchmark import (
     compare_markdown,
     dataset_name,
     evaluate_chunk,
-    extract_answer,
-    grade,
     load_benchmark,
     metrics,
     prompt_format,
@@ -29,6 +27,8 @@ from grpokit.eval.benchmark import (
     score_completions,
 )
 from grpokit.eval.tir import COT_INSTRUCTION, OUTPUT_STOP
+from grpokit.tasks.math import extract_answer
+from grpokit.tasks.math import grade_answers as grade
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.rollout.sampler import stop_string_cut

@@ -138,7 +138,7 @@ def test_two_token_budgets_give_the_same_update(tokenizer, trainer_class):
 def sft_data(tokenizer):
     from grpokit.data import arithmetic
 
-    rows = arithmetic.make_sft_rows(arithmetic.sample_questions(48, 0, arithmetic.ChainTask(), "train"), 0.5, 0)
+    rows = arithmetic.make_sft_rows(arithmetic.sample_questions(48, 0, arithmetic.ChainSpec(), "train"), 0.5, 0)
     return TokenizedExamples.of(tokenize_examples(tokenizer, [(r["prompt"], r["solution"]) for r in rows]))
 
 

@@ -226,7 +226,7 @@ def _marked_solutions(n: int, seed: int) -> list[tuple[str, list[str], list[str]
     to read the right positions: a step is wrong when it or any step before it holds the mark."""
     rng = random.Random(seed)
     out = []
-    for q in arithmetic.sample_questions(n, seed, arithmetic.ChainTask(min_ops=3, max_ops=3), "train"):
+    for q in arithmetic.sample_questions(n, seed, arithmetic.ChainSpec(min_ops=3, max_ops=3), "train"):
         steps, answer = arithmetic.solve(q)
         good = [s + "\n" for s in steps] + [f"A: {answer}"]
         k = rng.randrange(len(good) - 1)

@@ -26,7 +26,7 @@ from grpokit.train.sft import (
 
 @pytest.fixture(scope="module")
 def sft_pairs():
-    task = arithmetic.ChainTask()
+    task = arithmetic.ChainSpec()
     rows = arithmetic.make_sft_rows(arithmetic.sample_questions(96, 0, task, "train"), 0.5, 0)
     return [(r["prompt"], r["solution"]) for r in rows]
 

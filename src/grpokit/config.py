@@ -130,12 +130,15 @@ class DataConfig:
     eval_sources: list[DataSource] = opt([], "held-out evaluation sources (e.g. a test split); empty = a "
                                              "heldout_fraction of the sources' questions")
     heldout_fraction: float = opt(0.05, "share of the sources' questions held out for evaluation when "
-                                        "eval_sources is empty (split by a hash of the prompt)")
+                                        "eval_sources is empty (split by a hash of the question)")
     template: str = opt("cot", "prompt template: cot (DeepSeekMath's step-by-step + \\boxed instruction), none, "
                                "or a custom string containing {question}")
     chat_template: Literal["auto", "on", "off"] = opt(
         "auto", "wrap the prompt in the tokenizer's chat template: auto (when it has one), on, off")
     system_prompt: str = opt("", "optional system message")
+    plain_layout: Literal["bare", "user-assistant"] = opt(
+        "bare", "a prompt's layout without a chat template: bare (the instruction and a newline) or user-assistant "
+                "(DeepSeekMath's \"User: ...\\n\\nAssistant:\")")
     skip_malformed_lines: bool = opt(False, "skip and count malformed lines, missing columns and empty prompts "
                                             "instead of stopping with an error")
     max_prompt_length: int = opt(0, "longest prompt in tokens; 0 = no limit")

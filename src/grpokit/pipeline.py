@@ -48,7 +48,8 @@ from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
-from grpokit.tasks.base import evaluate_task
+from grpokit.eval.benchmark import write_heldout
+from grpokit.eval.evaluate import evaluate_task
 from grpokit.train.grpo import frozen_copy
 from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations
 from grpokit.train.reward_model import (
@@ -368,6 +369,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         model, ref_model = _shard_for_run(config, model, ref_model)
         data = task.data(tokenizer, sft=False)
         rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
+        if heldout and distributed.is_main():
+            write_heldout(run_dir, heldout)  # what `grpokit eval RUN_DIR` evaluates
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed,
@@ -378,7 +381,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         before = None
         if heldout and config.eval.before and checkpoint is None:
             t = time.perf_counter()
-            before = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
+            before = evaluate_task(task, model, tokenizer, heldout, config, engine,
                                    progress=progress, desc="held-out eval before RL")
             timings["eval_before_seconds"] = time.perf_counter() - t
             engine.release_memory(weights_pushed_next=False)  # the reward model may train next
@@ -410,7 +413,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
         if heldout:
             t = time.perf_counter()
-            after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
+            after = evaluate_task(task, model, tokenizer, heldout, config, engine,
                                   progress=progress, desc="held-out eval after RL")
             timings["eval_after_seconds"] = time.perf_counter() - t
             summary.update(_report(config, task, run_dir, history, before, after))

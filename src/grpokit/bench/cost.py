@@ -58,7 +58,7 @@ def measure(algo: str, args: argparse.Namespace) -> dict:
     model = build_tiny_model(tokenizer, "llama", args.hidden_size, args.layers, args.heads, args.intermediate_size,
                              seed=args.seed).to(device)
     params = sum(p.numel() for p in model.parameters())
-    task = arithmetic.ChainTask()
+    task = arithmetic.ChainSpec()
     rows = [{"prompt": r["prompt"], "answer": r["answer"]}
             for r in arithmetic.make_rows(arithmetic.sample_questions(256, args.seed, task, "train"))]
     config = GRPOConfig(num_generations=args.generations, prompts_per_step=args.prompts,

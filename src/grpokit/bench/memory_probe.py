@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_model(model)
         if ref is not None:
             shard_model(ref)
-    rows = arithmetic.make_rows(arithmetic.sample_questions(64, 0, arithmetic.ChainTask(), "train"))
+    rows = arithmetic.make_rows(arithmetic.sample_questions(64, 0, arithmetic.ChainSpec(), "train"))
     config = GRPOConfig(num_generations=args.num_generations, prompts_per_step=args.prompts_per_step,
                         max_completion_length=args.max_completion_length, learning_rate=1e-5, warmup_steps=0)
     out = Path(args.out)

@@ -197,3 +197,19 @@ def math_reference(solution: str, answer: str | None = None) -> str:
         raise ValueError(f"the MATH solution's last box {problem} ({solution[-80:]!r}): write it as "
                          "\\boxed{<answer>}, or give the row an 'answer' field")
     return last.strip()
+
+
+_OUTPUT_BLOCK = re.compile(r"```output\n(.*?)\n```", re.DOTALL)
+
+
+def final_answer(text: str) -> str | None:
+    """The content of the last non-empty \\boxed{} (nested braces matched), else the content
+    of the last ```output block (a rollout cut at its tool-call limit ends on one), else None."""
+    boxes = [b.strip() for b in boxed_contents(text) if b.strip()]
+    return boxes[-1] if boxes else last_output(text)
+
+
+def last_output(text: str) -> str | None:
+    """The content of the last ```output block, stripped; None when there is none or it is empty."""
+    outputs = [o.strip() for o in _OUTPUT_BLOCK.findall(text)]
+    return outputs[-1] if outputs and outputs[-1] else None

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import random
 import re
-import zlib
 from dataclasses import dataclass
+
+from grpokit.data import split as heldout_split
 
 ALPHABET = "0123456789+-=:QA \n"
 # Adds "```python", "print(...)", "```output" and "(with python)"; and a-f, without which
@@ -38,7 +39,7 @@ _HEAD = re.compile(r"^(-?\d+)([+-])(\d+)")
 
 
 @dataclass(frozen=True)
-class ChainTask:
+class ChainSpec:
     """Shape of the problems: how many operations and how large the numbers get."""
 
     min_ops: int = 3
@@ -56,7 +57,7 @@ class ChainTask:
 
 
 def is_heldout(question: str, heldout_percent: int) -> bool:
-    return zlib.crc32(question.encode()) % 100 < heldout_percent
+    return heldout_split.is_heldout(question, heldout_percent / 100)
 
 
 def format_prompt(question: str) -> str:
@@ -99,7 +100,7 @@ def format_solution(question: str) -> str:
     return "\n".join(steps + [f"A: {answer}"])
 
 
-def random_question(rng: random.Random, task: ChainTask) -> str:
+def random_question(rng: random.Random, task: ChainSpec) -> str:
     value = rng.randint(1, task.max_start)
     parts = [str(value)]
     for _ in range(rng.randint(task.min_ops, task.max_ops)):
@@ -112,7 +113,7 @@ def random_question(rng: random.Random, task: ChainTask) -> str:
     return "".join(parts)
 
 
-def sample_questions(n: int, seed: int, task: ChainTask, split: str) -> list[str]:
+def sample_questions(n: int, seed: int, task: ChainSpec, split: str) -> list[str]:
     """`n` distinct questions of `split` ("train" or "heldout"), reproducible from `seed`."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")

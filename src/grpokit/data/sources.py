@@ -101,7 +101,7 @@ def build_rows(sources, data_config, tokenizer, sft: bool = False) -> list[dict]
         say_skipped(loaded, source.path or source.name)
         for row, reference in zip(loaded.rows, loaded.references, strict=True):
             prompt = render_prompt(row["question"], tokenizer, data_config.template, data_config.chat_template,
-                                   data_config.system_prompt)
+                                   data_config.system_prompt, data_config.plain_layout)
             if sft:
                 out.append({"prompt": prompt, "completion": worked_solution(row, fmt, source.completion_column)})
             else:

@@ -1,31 +1,50 @@
-"""Prompt templates: the DeepSeekMath chain-of-thought instruction, wrapped in the tokenizer's
-chat template when it has one, plain text otherwise."""
+"""Prompt templates: DeepSeekMath's chain-of-thought (cot) and tool-integrated (tir)
+instructions after the question, wrapped in the tokenizer's chat template when it has one, else
+laid out as plain text. Training, in-run evaluation and `grpokit eval` all render through
+`render_prompt`, so the same settings give the same prompt everywhere."""
 
 from __future__ import annotations
 
-# DeepSeekMath's chain-of-thought instruction (paper, sec. 2.3 / 4.1).
+# DeepSeekMath's chain-of-thought and tool-integrated instructions (paper, sec. 2.3 / 4.1, Table 5).
 COT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+TIR_INSTRUCTION = (
+    "Please integrate natural language reasoning with programs to solve the problem above, "
+    "and put your final answer within \\boxed{}."
+)
 
 TEMPLATES = {
     "cot": "{question}\n" + COT_INSTRUCTION,
+    "tir": "{question}\n" + TIR_INSTRUCTION,
     "none": "{question}",
 }
+# Plain-text layouts for a tokenizer without a chat template: the user turn and a newline
+# (training's default), or DeepSeekMath's chat layout (`grpokit eval`'s default for a model
+# that comes without a run's settings).
+PLAIN_LAYOUTS = {"bare": "{prompt}\n", "user-assistant": "User: {prompt}\n\nAssistant:"}
 
 
 def instruction_text(question: str, template: str) -> str:
-    """The user turn: a named template ("cot", "none") or a custom one containing {question}."""
+    """The user turn: a named template ("cot", "tir", "none") or a custom one containing {question}."""
     pattern = TEMPLATES.get(template, template)
     if "{question}" not in pattern:
         raise ValueError(f"data.template must be one of {sorted(TEMPLATES)} or contain '{{question}}', got {template!r}")
     return pattern.replace("{question}", question.strip())
 
 
+def plain_text(user: str, layout: str = "bare", system_prompt: str = "") -> str:
+    """The user turn laid out as plain text (PLAIN_LAYOUTS), after the system message if any."""
+    if layout not in PLAIN_LAYOUTS:
+        raise ValueError(f"data.plain_layout must be one of {sorted(PLAIN_LAYOUTS)}, got {layout!r}")
+    prompt = user.strip() if layout == "user-assistant" else user
+    return (system_prompt + "\n\n" if system_prompt else "") + PLAIN_LAYOUTS[layout].replace("{prompt}", prompt)
+
+
 def render_prompt(question: str, tokenizer, template: str = "cot", chat_template: str = "auto",
-                  system_prompt: str = "") -> str:
+                  system_prompt: str = "", plain_layout: str = "bare") -> str:
     """The text the policy continues.
 
     chat_template "auto" uses the tokenizer's chat template when it has one; "on" requires
-    one; "off" gives plain text ending in a newline. The result already holds any special
+    one; "off" gives plain text in `plain_layout`. The result already holds any special
     tokens (BOS, role markers), so it is tokenized with add_special_tokens=False.
     """
     user = instruction_text(question, template)
@@ -36,7 +55,7 @@ def render_prompt(question: str, tokenizer, template: str = "cot", chat_template
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": user}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    text = (system_prompt + "\n\n" if system_prompt else "") + user + "\n"
+    text = plain_text(user, plain_layout, system_prompt)
     bos = getattr(tokenizer, "bos_token", None)
     if bos and getattr(tokenizer, "add_bos_token", False) and not text.startswith(bos):
         text = bos + text  # what the tokenizer would have added itself

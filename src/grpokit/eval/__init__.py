@@ -4,12 +4,11 @@
 from grpokit.eval.benchmark import (
     Benchmark,
     compare_runs,
-    extract_answer,
     load_benchmark,
     run_evaluation,
     score_completions,
 )
 from grpokit.eval.evaluate import EvalResult, evaluate, pass_at_k
 
-__all__ = ["Benchmark", "EvalResult", "compare_runs", "evaluate", "extract_answer", "load_benchmark", "pass_at_k",
+__all__ = ["Benchmark", "EvalResult", "compare_runs", "evaluate", "load_benchmark", "pass_at_k",
            "run_evaluation", "score_completions"]

@@ -13,10 +13,12 @@ Generation writes, under DIR:
                                           included), extracted answer, correct, tool calls
 A rerun with the same settings skips the questions already in the completions files.
 
-A question's final answer is the last non-empty \\boxed{} of the completion, else the last
-```output block (a TIR rollout cut at its tool-call limit ends on one), else the last answer
-stated as "#### x", "The answer is x" or an "A: x" line. It is correct when math-verify
-finds it equivalent to the reference (grpokit.rewards.math_accuracy).
+Prompts, answers and grading are the task's (grpokit.tasks). MODEL inside a run directory (a
+checkpoint, or the run itself) is evaluated by that run's task and settings: the prompts its
+training rendered, its answer rule and grading, max_new_tokens = grpo.max_completion_length. So
+`grpokit eval RUN_DIR` (the run's own held-out questions, heldout.jsonl) gives the accuracy of
+the run's after-RL table. Any other model is evaluated by the math task (grpokit.tasks.math):
+DeepSeekMath's instructions, in the tokenizer's chat template or "User: ...\\n\\nAssistant:".
 """
 
 from __future__ import annotations
@@ -30,23 +32,25 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpokit.checkpoint import CheckpointError, CheckpointManager
-from grpokit.config import Config, DataSource, EvalConfig, ModelConfig, RolloutConfig
+from grpokit.config import Config, DataSource, EvalConfig, ModelConfig, RolloutConfig, load_config
 from grpokit.data.files import DatasetError, Fixes, read_file_records
 from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer, say_skipped
 from grpokit.eval.evaluate import majority_answer, pass_at_k
-from grpokit.eval.tir import (OUTPUT_STOP, EngineGenerate, TIRTrace, Timings, build_prompt, final_answer, plain_chat,
-                              rollouts, timed_sandbox)
+from grpokit.data.templates import PLAIN_LAYOUTS
+from grpokit.eval.tir import OUTPUT_STOP, EngineGenerate, TIRTrace, Timings, rollouts, timed_sandbox
 from grpokit.models.loading import (DeviceUnavailable, ModelNotFound, is_lora_adapter, load_model_and_tokenizer,
                                     local_weights_dir, resolve_device)
 from grpokit.progress import progress as progress_bar
 from grpokit.rewards.answers import final_answers
-from grpokit.rewards.math_rewards import math_accuracy
 from grpokit.rollout import ENGINES, SamplingParams, engine_spec, make_engine
+from grpokit.rundir import RUN_CONFIG
 from grpokit.sandbox import namespaces_available
+from grpokit.tasks import Task, task_for
+from grpokit.tasks.math import MathTask
 
 MODES = ("cot", "tir")
 MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
@@ -55,10 +59,11 @@ QUESTION_COLUMNS = ("question", "problem", "prompt")
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
 # File names that say nothing about the benchmark ("test.jsonl"): such a file is named after its folder.
 GENERIC_STEMS = {"test", "train", "dev", "val", "valid", "validation", "eval", "data", "questions"}
-PLAIN_LAYOUT = "User: {prompt}\n\nAssistant:"
+PLAIN_LAYOUT = PLAIN_LAYOUTS["user-assistant"]  # a model's layout without a chat template and without a run's settings
+HELDOUT = "heldout.jsonl"  # a training run's held-out questions (question, answer, the task's columns)
 RESULTS, REPORT, COMPARE = "results.json", "report.md", "compare.md"
 # Settings that must match for a rerun to append to an earlier run's completions.
-RESUME_KEYS = ("model_path", "prompt_format", "max_new_tokens", "max_tool_calls", "k", "temperature", "seed")
+RESUME_KEYS = ("model_path", "prompt_format", "task", "max_new_tokens", "max_tool_calls", "k", "temperature", "seed")
 # A bad row's fixes, in grpokit eval's flags.
 EVAL_FIXES = Fixes(skip="pass --skip-malformed-lines to skip and count such rows",
                    columns="name the columns with --question-column and --answer-column")
@@ -85,6 +90,10 @@ class Benchmark:
     answer_column: str
     questions: list[str]
     references: list[str]
+    rows: list[dict] = field(default_factory=list, repr=False)  # each row's columns, "answer" its reference
+
+    def row(self, i: int) -> dict:
+        return {**(self.rows[i] if self.rows else {}), "question": self.questions[i], "answer": self.references[i]}
 
     def __len__(self) -> int:
         return len(self.questions)
@@ -153,7 +162,7 @@ def load_benchmark(spec: str, max_rows: int = 0, question_column: str = "", answ
     loaded, fmt = load_source(source, skip_malformed, read_reference=_reference, fixes=EVAL_FIXES)
     say_skipped(loaded, path)
     return Benchmark(name or dataset_name(path), path, fmt, question, answer,
-                     [row["question"] for row in loaded.rows], loaded.references)
+                     [row["question"] for row in loaded.rows], loaded.references, loaded.rows)
 
 
 def load_benchmarks(specs: Sequence[str], max_rows: int = 0, question_column: str = "",
@@ -164,27 +173,6 @@ def load_benchmarks(specs: Sequence[str], max_rows: int = 0, question_column: st
     if clash:
         raise EvalError(f"several data files are named {clash[0]!r}; name each with --data NAME=FILE")
     return benchmarks
-
-
-# --------------------------------------------------------------------------- answers
-
-
-def extract_answer(completion: str) -> str | None:
-    """The last non-empty \\boxed{}, else the last ```output block, else the last answer stated
-    as "#### x", "The answer is x" or "A: x"; None when there is none."""
-    answer = final_answer(completion)
-    if answer is None:
-        stated = final_answers(completion)
-        answer = stated[-1] if stated else None
-    return answer
-
-
-def grade(answers: Sequence[str | None], references: Sequence[str]) -> list[bool]:
-    """Whether each extracted answer is equivalent to its reference, by grpokit's math_accuracy
-    reward (math-verify). The answer goes in boxed, so only it is judged."""
-    completions = ["" if a is None else f"\\boxed{{{a}}}" for a in answers]
-    scores = math_accuracy([""] * len(completions), completions, list(references))
-    return [s > 0.5 for s in scores]
 
 
 # --------------------------------------------------------------------------- model and prompts
@@ -209,6 +197,36 @@ def resolve_model(model: str) -> str:
                           "intact checkpoint under checkpoints/; pass a checkpoint directory or a hub id")
 
 
+def run_config(model_path: str) -> Config | None:
+    """The config of the run a checkpoint (or run directory) belongs to: its own config.yaml, else
+    its run directory's; None for a model that did not come from a grpokit run."""
+    path = Path(model_path)
+    for candidate in (path / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
+        if path.is_dir() and candidate.is_file():
+            return load_config(candidate)
+    return None
+
+
+def write_heldout(run_dir: str | Path, rows: list[dict]) -> Path:
+    """A training run's held-out questions, for `grpokit eval RUN_DIR`: each row's columns (its
+    reference as "answer", the prompt training rendered as "rendered_prompt"), without the
+    worked solution."""
+    path = Path(run_dir) / HELDOUT
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            record = {k: v for k, v in row.items() if k not in ("prompt", "solution")}
+            record.setdefault("question", row["prompt"])
+            f.write(json.dumps({**record, "rendered_prompt": row["prompt"]}, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
+def default_task() -> MathTask:
+    """The task of a model without a run: math, in DeepSeekMath's layout without a chat template."""
+    config = Config()
+    config.data.plain_layout = "user-assistant"
+    return MathTask(config)
+
+
 def prompt_format(tokenizer) -> str:
     """"chat template" when the tokenizer has one, else "plain" (PLAIN_LAYOUT)."""
     return "chat template" if getattr(tokenizer, "chat_template", None) else "plain"
@@ -218,14 +236,22 @@ def describe_prompt_format(layout: str) -> str:
     return f"plain {json.dumps(PLAIN_LAYOUT)}" if layout == "plain" else layout
 
 
-def render_prompt(question: str, mode: str, tokenizer) -> str:
-    """DeepSeekMath's CoT or TIR instruction after the question, in the tokenizer's chat
-    template when it has one, else in "User: {prompt}\\n\\nAssistant:"."""
-    user = build_prompt(question.strip(), mode)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                             add_generation_prompt=True)
-    return plain_chat(user)
+def render_prompt(question: str, mode: str, tokenizer, task: Task | None = None) -> str:
+    """The task's prompt of `question` in `mode` (cot or tir); by default the math task's:
+    DeepSeekMath's instruction after the question, in the tokenizer's chat template when it has
+    one, else in "User: {prompt}\\n\\nAssistant:"."""
+    return task_prompt(task or default_task(), {"question": question}, mode, tokenizer)
+
+
+def task_prompt(task: Task, row: dict, mode: str, tokenizer) -> str:
+    """The prompt `task` gives `row` in `mode`; a task without prompt() is evaluated on the
+    prompts its rows carry (cot only)."""
+    prompt = task.prompt(row, mode, tokenizer) if hasattr(task, "prompt") else (
+        row.get("rendered_prompt") if mode == "cot" else None)
+    if prompt is None:
+        raise EvalError(f"task {task.name!r} has no {MODE_TITLES[mode]} prompt for its questions; evaluate with "
+                        f"--mode {'cot' if mode == 'tir' else 'tir'}")
+    return prompt
 
 
 # --------------------------------------------------------------------------- generation
@@ -243,11 +269,12 @@ class EvalSettings:
     max_model_len: int = 4096
 
 
-def questions_too_long(bench: Benchmark, mode: str, tokenizer, settings: EvalSettings) -> int:
+def questions_too_long(bench: Benchmark, mode: str, tokenizer, settings: EvalSettings, task: Task | None = None) -> int:
     """How many of the benchmark's prompts leave no room for max_new_tokens within max_model_len:
     they get no completion (never a cut question) and count as wrong."""
     room = settings.max_model_len - settings.max_new_tokens
-    prompts = [render_prompt(q, mode, tokenizer) for q in bench.questions]
+    task = task or default_task()
+    prompts = [task_prompt(task, bench.row(i), mode, tokenizer) for i in range(len(bench))]
     return sum(len(ids) > room for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
 
 
@@ -265,10 +292,13 @@ def _sample_record(trace: TIRTrace, reason: str, answer: str | None, correct: bo
 
 
 def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, tokenizer, settings: EvalSettings,
-                   timings: Timings) -> list[dict]:
-    """Completion records (greedy, plus --k samples) of the questions at `indices`."""
+                   timings: Timings, task: Task | None = None) -> list[dict]:
+    """Completion records (greedy, plus --k samples) of the questions at `indices`, prompted,
+    read and graded by `task` (default: the math task)."""
+    task = task or default_task()
     stop = (OUTPUT_STOP,) if mode == "tir" else ()
-    prompts = [render_prompt(bench.questions[i], mode, tokenizer) for i in indices]
+    rows = [bench.row(i) for i in indices]
+    prompts = [task_prompt(task, row, mode, tokenizer) for row in rows]
     run_fn = timed_sandbox(timings, settings.tool_timeout)
     greedy_params = SamplingParams(settings.max_new_tokens, 0.0, 1.0, settings.batch_size, stop=stop)
     greedy = rollouts(EngineGenerate(engine, tokenizer, greedy_params, settings.max_model_len, settings.seed,
@@ -280,10 +310,10 @@ def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, toke
         samples = rollouts(EngineGenerate(engine, tokenizer, params, settings.max_model_len, settings.seed, timings),
                            repeated, mode, settings.max_tool_calls, run_fn)
     start = time.perf_counter()
-    everything = greedy + samples
-    answers = [extract_answer(t.completion) for t, _ in everything]
-    references = [bench.references[i] for i in indices]
-    correct = grade(answers, references + [r for r in references for _ in range(settings.k)])
+    completions = [t.completion for t, _ in greedy + samples]
+    read_answer = task.tir_answer if mode == "tir" else task.extract_answer
+    answers = [read_answer(c) for c in completions]
+    correct = [bool(ok) for ok in task.grade(rows + [r for r in rows for _ in range(settings.k)], completions)]
     timings.score += time.perf_counter() - start
     records = []
     for j, i in enumerate(indices):
@@ -520,10 +550,15 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     model_path = resolve_model(model)
     if model_path != model:
         print(f"grpokit: evaluating {model_path}", file=sys.stderr)
+    config = run_config(model_path)
+    task = task_for(config) if config is not None else default_task()
+    if config is not None:
+        print(f"grpokit: evaluating with the run's task ({task.name}) and its prompts", file=sys.stderr)
+    settings.max_new_tokens = settings.max_new_tokens or (config.grpo.max_completion_length if config else 1024)
     load_start = time.perf_counter()
     policy, tokenizer = load_model_and_tokenizer(model_path, dtype, device)
     layout = prompt_format(tokenizer)
-    if layout != "chat template":
+    if layout != "chat template" and config is None:
         print(f"grpokit: the tokenizer has no chat template; prompts use the layout {json.dumps(PLAIN_LAYOUT)}",
               file=sys.stderr)
     if not settings.max_model_len:
@@ -532,11 +567,12 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     engine = make_engine(RolloutConfig(engine=engine_name, kv_cache_gb=kv_cache_gb,
                                        max_model_len=settings.max_model_len), policy, tokenizer, settings.seed,
                          weights_dir=local_weights_dir(model_path) if engine_spec(engine_name).copies_weights else None)
+    plain = PLAIN_LAYOUT if config is None else f"task {task.name}'s prompts (the run's config.yaml)"
     header = {"model": model, "model_path": model_path, "engine": engine_name, "prompt_format": layout,
-              "prompt_layout": PLAIN_LAYOUT if layout == "plain" else "the tokenizer's chat template",
+              "task": task.name, "prompt_layout": plain if layout == "plain" else "the tokenizer's chat template",
               "load_seconds": time.perf_counter() - load_start,
               "sandbox_isolated": namespaces_available() if "tir" in modes else None,
-              "settings": {"model_path": model_path, "prompt_format": layout, **asdict(settings),
+              "settings": {"model_path": model_path, "prompt_format": layout, "task": task.name, **asdict(settings),
                            "max_rows": max_rows}}
     results = ResultsFile(out, header)
     results.save()
@@ -545,14 +581,14 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
             path = completions_path(out, bench.name, mode)
             done = read_completions(path, bench)
             todo = [i for i in range(len(bench)) if i not in done]
-            too_long = questions_too_long(bench, mode, tokenizer, settings)
+            too_long = questions_too_long(bench, mode, tokenizer, settings, task)
             say_questions_too_long(too_long, bench, mode, settings)
             timings, start = Timings(), time.perf_counter()
             with progress_bar(total=len(bench), initial=len(bench) - len(todo), unit="question",
                               desc=f"{bench.name} {MODE_TITLES[mode]}", enabled=progress) as bar:
                 for first in range(0, len(todo), settings.batch_size):
                     chunk = todo[first : first + settings.batch_size]
-                    records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings)
+                    records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings, task)
                     _append(path, records)
                     done.update((r["index"], r) for r in records)
                     bar.update(len(chunk))
@@ -630,8 +666,9 @@ def score_completions(path: str, data: str, completion_column: str = "completion
     bench = load_benchmark(data, max_rows, question_column, answer_column, skip_malformed)
     pairs = align_completions(path, bench, completion_column, key, max_rows)
     start = time.perf_counter()
-    answers = [extract_answer(c) for _, c in pairs]
-    correct = grade(answers, [bench.references[i] for i, _ in pairs])
+    task = default_task()
+    answers = [(task.tir_answer if mode == "tir" else task.extract_answer)(c) for _, c in pairs]
+    correct = task.grade([bench.row(i) for i, _ in pairs], [c for _, c in pairs])
     records = [{"index": i, "question": bench.questions[i], "reference": bench.references[i], "completion": c,
                 "extracted_answer": a, "correct": ok, "tool_calls": c.count(OUTPUT_STOP)}
                for (i, c), a, ok in zip(pairs, answers, correct)]
@@ -676,7 +713,8 @@ def _parser() -> argparse.ArgumentParser:
                "otherwise the i-th record belongs to the i-th data row.")
     p.add_argument("model", nargs="?", help="a model directory, a hub id, or a run directory (its newest checkpoint)")
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="FILE",
-                   help="JSONL/JSON/Parquet in GSM8K, MATH or plain (question, answer) form; NAME=FILE names it")
+                   help="JSONL/JSON/Parquet in GSM8K, MATH or plain (question, answer) form; NAME=FILE names it. "
+                        f"Default for a run directory: its held-out questions ({HELDOUT})")
     p.add_argument("--mode", default="cot,tir", help="cot, tir or both (cot,tir)")
     p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="where results, report and completions go")
     p.add_argument("--max-rows", type=int, default=0, help="first N questions of each file; 0 = all")
@@ -687,7 +725,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="hf: transformers' generate; vllm: a vLLM engine; or another registered engine")
     p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float,
                    default=ROLLOUT.kv_cache_gb, help="vllm: GiB for its KV cache")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per generation (per TIR round)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per generation (per TIR round); default: the run's grpo.max_completion_length for a "
+                        "run's checkpoint, else 1024")
     p.add_argument("--max-tool-calls", type=int, default=EVAL.max_tool_calls,
                    help="TIR: rounds of generation, each may run a program (default: %(default)s, as "
                         "eval.max_tool_calls)")
@@ -725,7 +765,7 @@ def _modes(text: str) -> list[str]:
 
 def _check_numbers(args) -> None:
     for name in ("max_new_tokens", "max_tool_calls", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("max_rows", "k", "max_model_len"):
         if getattr(args, name) < 0:
@@ -761,11 +801,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.output_dir:
                 print(f"wrote {Path(args.output_dir) / RESULTS}")
             return 0
+        if args.model and not args.data and (Path(args.model) / HELDOUT).is_file():
+            args.data = [str(Path(args.model) / HELDOUT)]  # the run's own held-out questions
+            args.question_column, args.answer_column = args.question_column or "question", args.answer_column or "answer"
         if not args.model or not args.data or not args.output_dir:
             raise EvalError("usage: grpokit eval MODEL --data FILE... --output-dir DIR (or --compare / --completions);"
                             " see grpokit eval --help")
         _check_numbers(args)
-        settings = EvalSettings(args.max_new_tokens, args.max_tool_calls, args.k, args.temperature if args.k else 0.0,
+        settings = EvalSettings(args.max_new_tokens or 0, args.max_tool_calls, args.k, args.temperature if args.k else 0.0,
                                 args.seed, args.batch_size, args.tool_timeout, args.max_model_len)
         from transformers.utils import logging as hf_logging
 

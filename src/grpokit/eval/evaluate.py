@@ -9,8 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from math import comb
 
+from grpokit import distributed
+from grpokit.config import Config
 from grpokit.eval.tir import OUTPUT_STOP, EngineGenerate, Timings, rollouts, timed_sandbox
-from grpokit.rollout import HFEngine, SamplingParams
+from grpokit.progress import progress as progress_bar
+from grpokit.rollout import HFEngine, SamplingParams, max_model_len
 from grpokit.sandbox import namespaces_available
 
 
@@ -165,3 +168,30 @@ def evaluate_tir(
     return TIRResult(hits / len(rows), len(rows), timings.programs, time.perf_counter() - start, timings.generate,
                      timings.tools, namespaces_available(), dict(Counter(reason for _, reason in traced)),
                      completions)
+
+
+def evaluate_task(task, model, tokenizer, rows: list[dict], config: Config, engine=None,
+                  progress: bool = False, desc: str = "held-out eval") -> EvalResult:
+    """Greedy accuracy, pass@k and maj@k on `rows`, graded by the task's rule (a
+    grpokit.tasks.Task's grade); with eval.tir, and a task with a
+    TIR form, greedy tool-integrated accuracy on the same questions too (result.tir). With
+    `progress`, one bar counts every pass over the questions: greedy, k samples, TIR."""
+    e = config.eval
+    engine = engine or HFEngine(model, tokenizer)
+    tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
+    passes = 2 + bool(tir_rows)
+    with progress_bar(total=passes * len(rows), desc=f"{desc} ({passes} passes)", unit="question",
+                      enabled=progress and distributed.is_main()) as bar:
+        result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
+                          temperature=e.temperature, batch_size=e.batch_size, engine=engine,
+                          grade=task.grade, bar=bar)
+        if tir_rows:
+            result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer,
+                                      config.grpo.max_completion_length, engine_model_len(engine, config, model),
+                                      e.max_tool_calls, e.tool_timeout_s, e.batch_size, bar=bar)
+    return result
+
+
+def engine_model_len(engine, config: Config, model) -> int:
+    """The longest context `engine` serves: its own max_model_len (vLLM), else rollout's setting."""
+    return getattr(engine, "max_model_len", None) or max_model_len(config.rollout, model)

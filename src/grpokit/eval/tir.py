@@ -30,14 +30,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from grpokit.data.templates import COT_INSTRUCTION
-from grpokit.rewards.answers import boxed_contents
+from grpokit.data.answers import final_answer, last_output
+from grpokit.data.templates import COT_INSTRUCTION, TIR_INSTRUCTION, instruction_text, plain_text
 from grpokit.sandbox import SandboxResult, run_many
 
-TIR_INSTRUCTION = (
-    "Please integrate natural language reasoning with programs to solve the problem above, "
-    "and put your final answer within \\boxed{}."
-)
 INSTRUCTIONS = {"cot": COT_INSTRUCTION, "tir": TIR_INSTRUCTION}
 OUTPUT_STOP = "```output"
 # DeepSeekMath shows at most 100 characters of a program's output: the first and last 50.
@@ -45,19 +41,18 @@ MAX_OUTPUT_CHARS = 100
 TIMEOUT_OUTPUT = "Timeout Error"
 
 _PYTHON_BLOCK = re.compile(r"```python(.*?)```", re.DOTALL)
-_OUTPUT_BLOCK = re.compile(r"```output\n(.*?)\n```", re.DOTALL)
 
 
 def build_prompt(question: str, mode: str) -> str:
     """The user turn: the question, a newline, and the instruction of `mode` ("cot" or "tir")."""
     if mode not in INSTRUCTIONS:
         raise ValueError(f"prompt mode must be one of {sorted(INSTRUCTIONS)}, got {mode!r}")
-    return f"{question}\n{INSTRUCTIONS[mode]}"
+    return instruction_text(question, mode)
 
 
 def plain_chat(prompt: str) -> str:
     """DeepSeekMath's chat layout for models without a chat template (the prompt stripped)."""
-    return f"User: {prompt.strip()}\n\nAssistant:"
+    return plain_text(prompt, "user-assistant")
 
 
 def _before_stop(text: str) -> str:
@@ -122,19 +117,6 @@ def format_tool_output(result: SandboxResult) -> str:
     else:
         shown = result.stdout
     return f"{OUTPUT_STOP}\n{shorten(shown.strip()).strip()}\n```\n"
-
-
-def final_answer(text: str) -> str | None:
-    """The content of the last non-empty \\boxed{} (nested braces matched), else the content
-    of the last ```output block (a rollout cut at its tool-call limit ends on one), else None."""
-    boxes = [b.strip() for b in boxed_contents(text) if b.strip()]
-    return boxes[-1] if boxes else last_output(text)
-
-
-def last_output(text: str) -> str | None:
-    """The content of the last ```output block, stripped; None when there is none or it is empty."""
-    outputs = [o.strip() for o in _OUTPUT_BLOCK.findall(text)]
-    return outputs[-1] if outputs and outputs[-1] else None
 
 
 @dataclass

@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from grpokit import distributed
 from grpokit.config import Config
-from grpokit.eval import EvalResult, evaluate
-from grpokit.eval.evaluate import evaluate_tir
-from grpokit.progress import progress as progress_bar
-from grpokit.rollout import HFEngine, max_model_len
 
 
 @dataclass
@@ -31,6 +26,10 @@ class Task(Protocol):
 
     def data(self, tokenizer, sft: bool = True) -> TaskData: ...
 
+    # Optional: prompt(row, mode, tokenizer) -> str | None, the prompt of a held-out row in mode
+    # "cot" or "tir" (None: the task has no such form). `grpokit eval` renders a question file
+    # with it; a task without it is evaluated on the prompts its rows carry.
+
     def extract_answer(self, completion: str) -> str | None: ...
 
     def tir_rows(self, rows: list[dict], tokenizer) -> list[dict] | None:
@@ -41,7 +40,7 @@ class Task(Protocol):
     def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
         """Rule-based correctness of each completion against its row's reference."""
 
-    def report(self, result: EvalResult) -> dict[str, float]:
+    def report(self, result) -> dict[str, float]:
         """Task-specific rates for the before/after table (name -> value)."""
 
 
@@ -54,30 +53,3 @@ def task_for(config: Config) -> Task:
     if name == "auto":
         name = "math" if d.sources or d.sft_sources or d.eval_sources else "chain"
     return task_class(name)(config)
-
-
-def evaluate_task(task: Task, model, tokenizer, rows: list[dict], config: Config, engine=None,
-                  exact_match: bool = False, progress: bool = False, desc: str = "held-out eval") -> EvalResult:
-    """Greedy accuracy, pass@k and maj@k on `rows`, graded by the task's rule (or, with
-    `exact_match`, by the extracted answer's string equality); with eval.tir, and a task with a
-    TIR form, greedy tool-integrated accuracy on the same questions too (result.tir). With
-    `progress`, one bar counts every pass over the questions: greedy, k samples, TIR."""
-    e = config.eval
-    engine = engine or HFEngine(model, tokenizer)
-    tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
-    passes = 2 + bool(tir_rows)
-    with progress_bar(total=passes * len(rows), desc=f"{desc} ({passes} passes)", unit="question",
-                      enabled=progress and distributed.is_main()) as bar:
-        result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
-                          temperature=e.temperature, batch_size=e.batch_size, engine=engine,
-                          grade=None if exact_match else task.grade, bar=bar)
-        if tir_rows:
-            result.tir = evaluate_tir(engine, tokenizer, tir_rows, task.tir_answer,
-                                      config.grpo.max_completion_length, engine_model_len(engine, config, model),
-                                      e.max_tool_calls, e.tool_timeout_s, e.batch_size, bar=bar)
-    return result
-
-
-def engine_model_len(engine, config: Config, model) -> int:
-    """The longest context `engine` serves: its own max_model_len (vLLM), else rollout's setting."""
-    return getattr(engine, "max_model_len", None) or max_model_len(config.rollout, model)

@@ -6,7 +6,7 @@ import sys
 
 from grpokit.config import Config
 from grpokit.data import arithmetic
-from grpokit.eval.tir import last_output
+from grpokit.data.answers import last_output
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.registry import register_task
 
@@ -35,7 +35,7 @@ class ChainTask:
         t = config.task
         self.config, self.seed = t, config.seed
         self._said_no_tir = False
-        self.spec = arithmetic.ChainTask(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
+        self.spec = arithmetic.ChainSpec(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
                                          t.heldout_percent)
 
     def data(self, tokenizer=None, sft: bool = True) -> TaskData:
@@ -55,17 +55,27 @@ class ChainTask:
     def extract_answer(self, completion: str) -> str | None:
         return arithmetic.extract_answer(completion)
 
+    def prompt(self, row: dict, mode: str, tokenizer) -> str | None:
+        """"Q: 7+5-3\n" (cot), or the same question asking for a program (tir); None for tir
+        when `tokenizer` cannot write a program."""
+        if mode == "tir":
+            return arithmetic.format_tir_prompt(row["question"]) if self._can_write_programs(tokenizer) else None
+        return arithmetic.format_prompt(row["question"])
+
     def tir_rows(self, rows: list[dict], tokenizer) -> list[dict] | None:
         """`rows` with tool-integrated prompts; None (said once) when `tokenizer` cannot write a
         program, e.g. a model built with model.tiny.alphabet=arithmetic."""
-        missing = sorted(set(arithmetic.TIR_ALPHABET) - set(tokenizer.get_vocab()))
-        if missing:
-            if not self._said_no_tir:
-                print(f"grpokit: no TIR evaluation: the tokenizer has no {''.join(missing)!r}, which the task's "
-                      "python programs need (model.tiny.alphabet=arithmetic-tir has them)", file=sys.stderr)
-                self._said_no_tir = True
+        if not self._can_write_programs(tokenizer):
             return None
-        return [{**row, "prompt": arithmetic.format_tir_prompt(row["question"])} for row in rows]
+        return [{**row, "prompt": self.prompt(row, "tir", tokenizer)} for row in rows]
+
+    def _can_write_programs(self, tokenizer) -> bool:
+        missing = sorted(set(arithmetic.TIR_ALPHABET) - set(tokenizer.get_vocab()))
+        if missing and not self._said_no_tir:
+            print(f"grpokit: no TIR evaluation: the tokenizer has no {''.join(missing)!r}, which the task's "
+                  "python programs need (model.tiny.alphabet=arithmetic-tir has them)", file=sys.stderr)
+            self._said_no_tir = True
+        return not missing
 
     def tir_answer(self, completion: str) -> str | None:
         """The "A: n" line, else the last program output (a rollout cut at its tool-call limit)."""

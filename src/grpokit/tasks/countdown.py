@@ -98,8 +98,9 @@ def sample_questions(n: int, seed: int, split: str, heldout_percent: int) -> lis
 def make_rows(questions: list[Question]) -> list[dict]:
     """Dataset rows: the prompt, the numbers and target the rule grades by, the target as the
     reference answer, and the demonstration."""
-    return [{"prompt": format_prompt(q.numbers, q.target), "numbers": list(q.numbers), "target": q.target,
-             "answer": str(q.target), "solution": f"A: {q.solution}"} for q in questions]
+    return [{"prompt": format_prompt(q.numbers, q.target), "question": f"{' '.join(map(str, q.numbers))} -> {q.target}",
+             "numbers": list(q.numbers), "target": q.target, "answer": str(q.target), "solution": f"A: {q.solution}"}
+            for q in questions]
 
 
 def evaluate(expression: str) -> tuple[Fraction, Counter] | None:
@@ -175,6 +176,10 @@ class CountdownTask:
         heldout = make_rows(sample_questions(t.num_eval_questions, 0, "heldout", t.heldout_percent))
         return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
                         [{k: r[k] for k in ("prompt", "numbers", "target", "answer")} for r in rl], heldout)
+
+    def prompt(self, row: dict, mode: str, tokenizer) -> str | None:
+        """The numbers and the target (cot); None for tir: the task has no tool-integrated form."""
+        return format_prompt(row["numbers"], int(row["target"])) if mode == "cot" else None
 
     def tir_rows(self, rows: list[dict], tokenizer) -> None:
         """No tool-integrated form: a program would only search the expressions for the model."""

@@ -1,23 +1,61 @@
 """GSM8K, MATH and other question/answer files (data.sources), graded by math-verify.
 
+One rule, used by the RL reward, by a run's held-out evaluation and by `grpokit eval`:
+- the prompt: the question under data.template (DeepSeekMath's CoT instruction by default; its
+  TIR instruction in tir mode), in the tokenizer's chat template or data.plain_layout;
+- the answer: the last non-empty \\boxed{}, else the last ```output block (a TIR rollout cut at
+  its tool-call limit ends on one), else the last answer stated as "#### x", "The answer is x"
+  or "A: x";
+- correct: as the math_accuracy reward judges it (every distinct final answer the completion
+  states is math-verify-equivalent to the reference, so hedging never passes); a completion that
+  states none is judged on its last program output.
+
 Held-out questions come from data.eval_sources (e.g. a benchmark's test split) when given,
-else from a data.heldout_fraction of the questions, split off by a hash of the prompt."""
+else from a data.heldout_fraction of the questions, split off by grpokit.data.split's hash of
+the question."""
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 
 from grpokit.config import Config
+from grpokit.data.answers import final_answer, final_answers, last_output
 from grpokit.data.sources import build_rows
-from grpokit.rewards import get_reward_function
-from grpokit.rewards.answers import extract_final_answer
+from grpokit.data.split import is_heldout
+from grpokit.data.templates import render_prompt
+from grpokit.rewards.math_rewards import math_accuracy
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.registry import register_task
 
 
-def is_heldout(prompt: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+def extract_answer(completion: str) -> str | None:
+    """The last non-empty \\boxed{}, else the last ```output block, else the last answer stated
+    as "#### x", "The answer is x" or "A: x"; None when there is none."""
+    answer = final_answer(completion)
+    if answer is None:
+        stated = final_answers(completion)
+        answer = stated[-1] if stated else None
+    return answer
+
+
+def grade_answers(answers: Sequence[str | None], references: Sequence[str]) -> list[bool]:
+    """Whether each answer is equivalent to its reference, by grpokit's math_accuracy reward
+    (math-verify). The answer goes in boxed, so only it is judged."""
+    completions = ["" if a is None else f"\\boxed{{{a}}}" for a in answers]
+    scores = math_accuracy([""] * len(completions), completions, list(references))
+    return [s > 0.5 for s in scores]
+
+
+def grade(completions: Sequence[str], references: Sequence[str]) -> list[bool]:
+    """The math task's correctness: the math_accuracy reward of each completion, or, for one that
+    states no final answer, of its last program output."""
+    scores = math_accuracy([""] * len(completions), list(completions), [str(r) for r in references])
+    correct = [s is not None and float(s) > 0.5 for s in scores]
+    unstated = [i for i, c in enumerate(completions) if not final_answers(c) and last_output(c) is not None]
+    outputs = grade_answers([last_output(completions[i]) for i in unstated], [references[i] for i in unstated])
+    for i, ok in zip(unstated, outputs):
+        correct[i] = ok
+    return correct
 
 
 @register_task("math")
@@ -25,6 +63,8 @@ class MathTask:
     reward = "math_accuracy"
     step_labeller = None  # step labels of free-form solutions come from a file (train-rm --process --data)
     hard_negative = None  # no rule can slip one step of a free-form solution and know the rest
+    extract_answer = staticmethod(extract_answer)
+    tir_answer = staticmethod(extract_answer)
 
     def __init__(self, config: Config):
         self.data_config = config.data
@@ -36,24 +76,23 @@ class MathTask:
         if d.eval_sources:
             heldout = build_rows(d.eval_sources, d, tokenizer)
         else:
-            heldout = [r for r in train if is_heldout(r["prompt"], d.heldout_fraction)]
-            train = [r for r in train if not is_heldout(r["prompt"], d.heldout_fraction)]
+            heldout = [r for r in train if is_heldout(r["question"], d.heldout_fraction)]
+            train = [r for r in train if not is_heldout(r["question"], d.heldout_fraction)]
         return TaskData(demos, train, heldout)
 
-    def extract_answer(self, completion: str) -> str | None:
-        return extract_final_answer(completion)
+    def prompt(self, row: dict, mode: str, tokenizer) -> str:
+        """The row's question as the policy reads it: data.template (cot) or DeepSeekMath's TIR
+        instruction (tir), in the chat template or data.plain_layout."""
+        d = self.data_config
+        return render_prompt(row["question"], tokenizer, d.template if mode == "cot" else "tir", d.chat_template,
+                             d.system_prompt, d.plain_layout)
 
     def tir_rows(self, rows: list[dict], tokenizer) -> None:
         """No TIR during training runs: `grpokit eval --mode cot,tir` evaluates a checkpoint both ways."""
         return None
 
-    def tir_answer(self, completion: str) -> str | None:
-        return None
-
     def grade(self, rows: list[dict], completions: list[str]) -> list[bool]:
-        scores = get_reward_function("math_accuracy")([r["prompt"] for r in rows], completions,
-                                                      answer=[r["answer"] for r in rows])
-        return [s is not None and float(s) > 0.5 for s in scores]
+        return grade(completions, [r["answer"] for r in rows])
 
     def report(self, result) -> dict[str, float]:
         return {}
