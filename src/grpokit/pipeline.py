@@ -48,7 +48,7 @@ from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
-from grpokit.eval.benchmark import write_heldout
+from grpokit.eval.benchmark import write_heldout, write_heldout_completions
 from grpokit.eval.evaluate import evaluate_task
 from grpokit.train.grpo import frozen_copy
 from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations
@@ -383,6 +383,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             t = time.perf_counter()
             before = evaluate_task(task, model, tokenizer, heldout, config, engine,
                                    progress=progress, desc="held-out eval before RL")
+            if distributed.is_main():
+                write_heldout_completions(run_dir / "heldout-before.jsonl", heldout, before)
             timings["eval_before_seconds"] = time.perf_counter() - t
             engine.release_memory(weights_pushed_next=False)  # the reward model may train next
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
@@ -415,6 +417,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             t = time.perf_counter()
             after = evaluate_task(task, model, tokenizer, heldout, config, engine,
                                   progress=progress, desc="held-out eval after RL")
+            if distributed.is_main():
+                write_heldout_completions(run_dir / "heldout-after.jsonl", heldout, after)
             timings["eval_after_seconds"] = time.perf_counter() - t
             summary.update(_report(config, task, run_dir, history, before, after))
         summary.update(timings, wall_seconds=time.perf_counter() - started)

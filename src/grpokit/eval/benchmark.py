@@ -220,6 +220,17 @@ def write_heldout(run_dir: str | Path, rows: list[dict]) -> Path:
     return path
 
 
+def write_heldout_completions(path: str | Path, rows: list[dict], result) -> Path:
+    """A run's greedy held-out completions (an EvalResult's), graded: question, answer, completion, correct."""
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for row, completion, correct in zip(rows, result.greedy_completions, result.greedy_correct, strict=True):
+            record = {"question": row.get("question", row["prompt"]), "answer": row.get("answer"),
+                      "completion": completion, "correct": correct}
+            f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
 def default_task() -> MathTask:
     """The task of a model without a run: math, in DeepSeekMath's layout without a chat template."""
     config = Config()
@@ -555,6 +566,7 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     if config is not None:
         print(f"grpokit: evaluating with the run's task ({task.name}) and its prompts", file=sys.stderr)
     settings.max_new_tokens = settings.max_new_tokens or (config.grpo.max_completion_length if config else 1024)
+    settings.batch_size = settings.batch_size or (config.eval.batch_size if config else 64)
     load_start = time.perf_counter()
     policy, tokenizer = load_model_and_tokenizer(model_path, dtype, device)
     layout = prompt_format(tokenizer)
@@ -735,7 +747,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="TIR: seconds a program may run (default: %(default)s, as eval.tool_timeout_s)")
     p.add_argument("--max-model-len", type=int, default=ROLLOUT.max_model_len,
                    help="longest context in tokens; 0 = the model's max_position_embeddings")
-    p.add_argument("--batch-size", type=int, default=64, help="questions per batch (and per resumable write)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="questions per batch (and per resumable write); default: the run's eval.batch_size for a "
+                        "run's checkpoint (the batches its own evaluation made), else 64")
     p.add_argument("--seed", type=int, default=Config.seed, help="seed of the --k samples")
     p.add_argument("--device", default=MODEL.device, help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=MODEL.dtype, help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
@@ -809,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                             " see grpokit eval --help")
         _check_numbers(args)
         settings = EvalSettings(args.max_new_tokens or 0, args.max_tool_calls, args.k, args.temperature if args.k else 0.0,
-                                args.seed, args.batch_size, args.tool_timeout, args.max_model_len)
+                                args.seed, args.batch_size or 0, args.tool_timeout, args.max_model_len)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -25,12 +25,14 @@ class EvalResult:
     k: int
     num_questions: int
     greedy_completions: list[str] = field(default_factory=list, repr=False)
+    greedy_correct: list[bool] = field(default_factory=list, repr=False)  # each greedy completion, by the grading rule
     greedy_seconds: float = 0.0  # generating and grading the greedy completions
     tir: TIRResult | None = None  # the same questions with tool-integrated reasoning, when evaluated
 
     def as_dict(self) -> dict:
         """The numbers, without the completions (the TIR result's as its own as_dict)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("greedy_completions", "tir")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("greedy_completions", "greedy_correct", "tir")}
         out["tir"] = self.tir.as_dict() if self.tir is not None else None
         return out
 
@@ -106,7 +108,7 @@ def evaluate(
     prompts = [r["prompt"] for r in rows]
     start = time.perf_counter()
     greedy = generate_in_calls(engine, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size), bar)
-    greedy_hits = sum(judge(rows, greedy))
+    greedy_correct = judge(rows, greedy)
     greedy_seconds = time.perf_counter() - start
     sampled = generate_in_calls(engine, prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size), bar)
     hits = judge([row for row in rows for _ in range(k)], sampled)
@@ -118,7 +120,7 @@ def evaluate(
         voted = majority_answer(answers)  # the majority answer is right when a sample giving it was judged right
         majority += voted is not None and any(ok for a, ok in zip(answers, group_hits) if a == voted)
     n = len(rows)
-    return EvalResult(greedy_hits / n, passes / n, majority / n, k, n, greedy, greedy_seconds)
+    return EvalResult(sum(greedy_correct) / n, passes / n, majority / n, k, n, greedy, greedy_correct, greedy_seconds)
 
 
 def generate_in_calls(engine, prompts: list[str], k: int, params: SamplingParams, bar=None) -> list[str]:
