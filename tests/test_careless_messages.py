@@ -243,7 +243,8 @@ def test_demo_help_shows_the_presets_values():
 
 def test_eval_options_take_the_configs_defaults():
     from grpokit.config import Config
-    from grpokit.eval.benchmark import EvalSettings, _parser
+    from grpokit.eval.benchmark import EvalSettings
+    from grpokit.eval.command import _parser
 
     args, e, r, m = _parser().parse_args([]), EvalConfig(), RolloutConfig(), ModelConfig()
     shared = {"temperature": e.temperature, "max_tool_calls": e.max_tool_calls, "tool_timeout": e.tool_timeout_s,

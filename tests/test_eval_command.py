@@ -16,16 +16,14 @@ from grpokit.eval.benchmark import (
     EngineGenerate,
     EvalSettings,
     Timings,
-    compare_markdown,
-    dataset_name,
     evaluate_chunk,
-    load_benchmark,
-    metrics,
     prompt_format,
     render_prompt,
     resolve_model,
     score_completions,
 )
+from grpokit.eval.questions import dataset_name, load_benchmark
+from grpokit.eval.report import compare_markdown, metrics
 from grpokit.eval.tir import COT_INSTRUCTION, OUTPUT_STOP
 from grpokit.tasks.math import extract_answer
 from grpokit.tasks.math import grade_answers as grade

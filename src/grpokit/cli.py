@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return bench(argv[1:])  # its own usage, --help included
     if argv[:1] == ["eval"]:
-        from grpokit.eval.benchmark import main as eval_main  # see the imports at the top
+        from grpokit.eval.command import main as eval_main  # see the imports at the top
 
         return eval_main(argv[1:])
     from transformers.utils import logging as hf_logging

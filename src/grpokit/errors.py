@@ -7,3 +7,7 @@ class ConfigError(ValueError):
     """A config file or override that names an unknown key or holds a wrong value."""
 
     key = ""  # the dotted key a type error is about, when known (load_config names where it was set)
+
+
+class EvalError(ValueError):
+    """Inputs `grpokit eval` cannot use as given; the message says what to change."""

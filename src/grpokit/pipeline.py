@@ -48,7 +48,8 @@ from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
-from grpokit.eval.benchmark import write_heldout, write_heldout_completions
+from grpokit.eval.questions import write_heldout
+from grpokit.eval.records import write_heldout_completions
 from grpokit.eval.evaluate import evaluate_task
 from grpokit.train.grpo import frozen_copy
 from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations

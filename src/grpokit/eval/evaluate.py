@@ -68,6 +68,14 @@ def majority_answer(answers: list[str | None]) -> str | None:
     return max(votes, key=lambda a: (votes[a], -answers.index(a))) if votes else None
 
 
+def sample_scores(answers: list[str | None], hits: list[bool], k: int) -> tuple[float, bool]:
+    """One question's samples: their pass@k (k at most the samples drawn), and whether their
+    majority answer is right (it is when a sample giving that answer was judged right)."""
+    voted = majority_answer(answers)
+    majority_right = voted is not None and any(ok for a, ok in zip(answers, hits) if a == voted)
+    return pass_at_k(len(hits), sum(hits), min(k, len(hits))), majority_right
+
+
 def _string_equal(predicted: str, reference: str) -> bool:
     return predicted.strip() == reference.strip()
 
@@ -115,10 +123,9 @@ def evaluate(
     passes = majority = 0.0
     for q in range(len(rows)):
         answers = [extract_answer(c) for c in sampled[q * k : (q + 1) * k]]
-        group_hits = hits[q * k : (q + 1) * k]
-        passes += pass_at_k(k, sum(group_hits), k)
-        voted = majority_answer(answers)  # the majority answer is right when a sample giving it was judged right
-        majority += voted is not None and any(ok for a, ok in zip(answers, group_hits) if a == voted)
+        passed, majority_right = sample_scores(answers, hits[q * k : (q + 1) * k], k)
+        passes += passed
+        majority += majority_right
     n = len(rows)
     return EvalResult(sum(greedy_correct) / n, passes / n, majority / n, k, n, greedy, greedy_correct, greedy_seconds)
 

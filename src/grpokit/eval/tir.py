@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from grpokit.data.answers import final_answer, last_output
+from grpokit.data.answers import final_answer
 from grpokit.data.templates import COT_INSTRUCTION, TIR_INSTRUCTION, instruction_text, plain_text
 from grpokit.sandbox import SandboxResult, run_many
 

@@ -1,0 +1,120 @@
+"""`grpokit eval`'s numbers and tables: accuracy, maj@k and pass@k of one dataset x mode; the
+report of a results.json; the before/after comparison of two evaluations."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from grpokit.data.templates import PLAIN_LAYOUTS
+from grpokit.eval.evaluate import sample_scores
+from grpokit.eval.records import COMPARE, read_results
+
+MODES = ("cot", "tir")
+MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
+PLAIN_LAYOUT = PLAIN_LAYOUTS["user-assistant"]  # a model's layout without a chat template and without a run's settings
+
+
+def describe_prompt_format(layout: str) -> str:
+    return f"plain {json.dumps(PLAIN_LAYOUT)}" if layout == "plain" else layout
+
+
+def metrics(records: list[dict], k: int) -> dict:
+    """Accuracy and counts of one dataset x mode; maj@k and pass@k when samples were drawn."""
+    n = len(records)
+    correct = sum(bool(r["correct"]) for r in records)
+    out = {"accuracy": correct / n if n else 0.0, "correct": correct, "total": n,
+           "with_answer": sum(r["extracted_answer"] is not None for r in records),
+           "tool_calls": sum(r.get("tool_calls", 0) for r in records),
+           "stop_reasons": dict(Counter(r.get("stop_reason", "answer") for r in records))}
+    if k and n:
+        majority = passes = 0.0
+        for r in records:
+            passed, majority_right = sample_scores([s["extracted_answer"] for s in r["samples"]],
+                                                   [bool(s["correct"]) for s in r["samples"]], k)
+            passes += passed
+            majority += majority_right
+        out[f"maj@{k}"] = majority / n
+        out[f"pass@{k}"] = passes / n
+    return out
+
+
+def _columns(results: dict) -> list[tuple[str, str]]:
+    return [(d, m) for d, modes in results.get("results", {}).items() for m in MODES if m in modes]
+
+
+def _title(column: tuple[str, str]) -> str:
+    return f"{column[0]} {MODE_TITLES.get(column[1], column[1])}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def report_markdown(results: dict) -> str:
+    """Accuracy per dataset x mode (Table 5's layout), then counts and time per cell."""
+    columns = _columns(results)
+    cells = results.get("results", {})
+    settings = results.get("settings", {})
+    k = settings.get("k", 0)
+    rows = [[results["model"], *(_percent(cells[d][m]["accuracy"]) for d, m in columns)]]
+    for key in (f"maj@{k}", f"pass@{k}") if k else ():
+        rows.append([key, *(_percent(cells[d][m].get(key)) for d, m in columns)])
+    about = [f"engine {results['engine']}", f"prompts: {describe_prompt_format(results['prompt_format'])}"]
+    if settings.get("max_new_tokens") is not None:
+        about.append(f"max_new_tokens {settings['max_new_tokens']}, max_tool_calls {settings['max_tool_calls']}")
+    if k:
+        about.append(f"maj@{k} and pass@{k} from {k} samples at temperature {settings['temperature']}")
+    if results.get("sandbox_isolated") is not None:
+        isolated = "isolated" if results["sandbox_isolated"] else "NOT isolated"
+        about.append(f"TIR programs {isolated} (network, filesystem, processes)")
+    details = [[d, MODE_TITLES.get(m, m), *(str(cells[d][m][key]) for key in ("correct", "total", "with_answer",
+                                                                               "tool_calls")),
+                *(f"{cells[d][m].get(key, 0.0):.1f}" for key in ("seconds", "generate_seconds", "tool_seconds",
+                                                                 "score_seconds"))]
+               for d, m in columns]
+    return "\n".join([
+        f"# Evaluation of {results['model']}\n",
+        "Greedy accuracy (%); " + "; ".join(about) + ".\n",
+        markdown_table(["model", *map(_title, columns)], rows),
+        markdown_table(["dataset", "mode", "correct", "total", "with an answer", "tool calls", "seconds",
+                        "generating", "running programs", "grading"], details),
+    ])
+
+
+def compare_markdown(before: dict, after: dict, before_label: str, after_label: str) -> str:
+    """Table 5's shape: one row per model, a column per dataset x mode, then the change in points."""
+    columns = _columns(before) + [c for c in _columns(after) if c not in _columns(before)]
+
+    def accuracy(results, column):
+        cell = results.get("results", {}).get(column[0], {}).get(column[1])
+        return None if cell is None else cell["accuracy"]
+
+    change = []
+    for column in columns:
+        a, b = accuracy(before, column), accuracy(after, column)
+        change.append("-" if a is None or b is None else f"{100 * (b - a):+.1f}")
+    rows = [[before_label, *(_percent(accuracy(before, c)) for c in columns)],
+            [after_label, *(_percent(accuracy(after, c)) for c in columns)],
+            ["change", *change]]
+    return ("Greedy accuracy (%) before and after; change in percentage points.\n\n"
+            + markdown_table(["model", *map(_title, columns)], rows))
+
+
+def compare_runs(before_dir: str, after_dir: str, output_dir: str | None = None) -> tuple[str, Path]:
+    """The comparison table of two evaluation directories, written to compare.md."""
+    before, after = read_results(before_dir), read_results(after_dir)
+    labels = [before.get("model", before_dir), after.get("model", after_dir)]
+    if labels[0] == labels[1]:
+        labels = [str(before_dir), str(after_dir)]
+    table = compare_markdown(before, after, *labels)
+    target = Path(output_dir or after_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / COMPARE).write_text(table)
+    return table, target / COMPARE
