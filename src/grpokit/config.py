@@ -287,12 +287,16 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vllm under torchrun: processes (GPUs) that share one engine's weights; "
                                        "must divide the processes per node (torchrun's --nproc_per_node)")
     is_correction: str = opt(
-        "none", "tis: reweight each token by min(pi_old / pi_sampler, is_cap) (truncated importance sampling); "
+        "none", "tis: reweight each token by min(pi_old / pi_sampler, cap) (truncated importance sampling); "
                 "icepop: drop the policy term of tokens whose pi_old / pi_sampler leaves [low, high] (is_args); "
                 "for an engine whose log-probs differ from the trainer's")
-    is_cap: float = opt(2.0, "the cap C of the TIS weight")
-    is_args: dict[str, Any] = opt({}, "arguments of rollout.is_correction besides is_cap, e.g. icepop: "
+    is_cap: float = opt(2.0, "tis: the cap C of its weight; the older key for rollout.is_args: {cap: C}, which wins")
+    is_args: dict[str, Any] = opt({}, "arguments of rollout.is_correction, e.g. tis: {cap: 2.0}, icepop: "
                                       "{low: 0.5, high: 2.0} (the defaults)")
+
+    def correction_args(self) -> dict[str, Any]:
+        """is_args as rollout.is_correction receives them: for tis, is_cap is its cap unless is_args names one."""
+        return {**({"cap": self.is_cap} if self.is_correction == "tis" else {}), **self.is_args}
 
 
 @dataclass
@@ -697,8 +701,7 @@ def _check_loss_pieces(config: Config) -> None:
                              f"grpo.loss=clip; grpo.loss={config.grpo.loss} uses per-token ratios: set it to token")
         r = config.rollout
         if r.is_correction != "none":
-            args = {**({"cap": r.is_cap} if r.is_correction == "tis" else {}), **r.is_args}
-            registry.check_args(registry.is_correction(r.is_correction), args, "rollout.is_args")
+            registry.check_args(registry.is_correction(r.is_correction), r.correction_args(), "rollout.is_args")
         elif r.is_args:
             raise ValueError(f"rollout.is_args={r.is_args} but rollout.is_correction=none: name the correction "
                              f"they are for, or drop them")

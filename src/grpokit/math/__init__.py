@@ -14,7 +14,6 @@ from grpokit.math.advantages import (
 )
 from grpokit.math.losses import (
     AGGREGATIONS,
-    DEFAULT_IS_CAP,
     IMPORTANCE_LEVELS,
     aggregate,
     bradley_terry_loss,
@@ -35,6 +34,7 @@ from grpokit.math.registry import (
     register_policy_loss,
 )
 from grpokit.math.sampling import groups_with_spread
+from grpokit.math.tis import DEFAULT_IS_CAP
 
 for _module in _pkgutil.iter_modules(__path__):  # registrations: losses, corrections (one file each)
     _importlib.import_module(f"{__name__}.{_module.name}")

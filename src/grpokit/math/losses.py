@@ -1,7 +1,7 @@
 """Losses: the k3 KL estimator (eq. 4), GRPO's clipped objective (eq. 3) with its common
-variants (token / constant aggregation, GSPO's sequence ratio, truncated importance sampling),
+variants (token / constant aggregation, GSPO's sequence ratio, an importance-sampling correction),
 PPO's value loss. The policy term and the importance correction are registered by name
-(math/registry.py); CISPO and icepop live in their own modules.
+(math/registry.py); CISPO, TIS and icepop live in their own modules.
 
 All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a mask
 [N, T] that is 1 on completion tokens. Pure tensor code: no models, no I/O.
@@ -14,21 +14,12 @@ from collections.abc import Mapping
 
 import torch
 
-from grpokit.math.registry import (
-    LossSettings,
-    PolicyTerm,
-    check_args,
-    only_keys,
-    register_is_correction,
-    register_policy_loss,
-)
+from grpokit.math.registry import LossSettings, PolicyTerm, check_args, register_policy_loss
 from grpokit.math.registry import is_correction as registered_is_correction
 from grpokit.math.registry import policy_loss as registered_policy_loss
 
 AGGREGATIONS = ("sequence", "token", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
-# Cap C of the truncated importance weight when sampling_logp is given and is_cap is not.
-DEFAULT_IS_CAP = 2.0
 
 # Below this |d| the series of exp(d) - d - 1 is exact to float64 precision, where the
 # direct form would cancel to 0 and break "k3 = 0 iff logp = ref".
@@ -179,22 +170,6 @@ def clipped_surrogate(logp, old_logp, advantages, mask, settings: LossSettings) 
     return PolicyTerm(surrogate, ratio, (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0))
 
 
-def _check_tis(args) -> None:
-    cap = only_keys(args, {"cap": DEFAULT_IS_CAP}, "tis")["cap"]
-    if not (isinstance(cap, numbers.Real) and not isinstance(cap, bool) and cap > 0):
-        raise ValueError(f"tis: cap must be a number > 0 (the cap C of the weight), got {cap!r}")
-
-
-@register_is_correction("tis", check=_check_tis)
-def truncated_importance_weight(raw_weight, mask, args):
-    """Truncated importance sampling: w_t = min(pi_old / pi_sampler, C), C = `cap` (default 2)."""
-    cap = float(only_keys(args, {"cap": DEFAULT_IS_CAP}, "tis")["cap"])
-    m = mask.to(raw_weight.dtype)
-    weight = torch.where(m > 0, raw_weight.clamp(max=cap), torch.ones_like(raw_weight))
-    return weight, {"is_weight_mean": _masked_mean(weight, m),
-                    "is_capped_frac": _masked_mean((raw_weight > cap).to(m.dtype), m)}
-
-
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -231,9 +206,10 @@ def grpo_loss(
        "cispo" (math/cispo.py): sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1).
     w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the weight
        the registered correction `is_correction` makes of the detached ratio pi_old / pi_sampler:
-       "tis" (the default when sampling_logp is given): min(exp(old_logp - sampling_logp), C),
-       C = is_cap (or is_args cap; default 2.0); "icepop" (math/icepop.py): the ratio where it lies
-       in [low, high], else 0 (the token's policy term dropped, the token still counted).
+       "tis" (math/tis.py; the default when sampling_logp is given): min(exp(old_logp - sampling_logp), C),
+       C = is_args cap (default 2.0); "icepop" (math/icepop.py): the ratio where it lies in [low, high],
+       else 0 (the token's policy term dropped, the token still counted). is_cap=C is the older
+       spelling of is_args={"cap": C} for tis.
     aggregation "sequence" (the paper's 1/|o_i| then 1/G), "token" (DAPO, arXiv:2503.14476) or
        "constant" (Dr. GRPO, arXiv:2503.20783: / (N * L_max), L_max = max_completion_length,
        required here and unused otherwise); rows with an all-zero mask count for nothing.
@@ -272,7 +248,7 @@ def grpo_loss(
     correction_stats: dict[str, torch.Tensor] = {}
     if sampling_logp is not None:
         name = is_correction or "tis"
-        if is_cap is not None and name != "tis":
+        if is_cap is not None and name != "tis":  # is_cap: tis's cap, from before is_args
             raise ValueError(f"is_cap is the cap of the tis correction; {name!r} takes its arguments in is_args")
         correction = registered_is_correction(name)
         args = {**({"cap": float(is_cap)} if is_cap is not None else {}), **(is_args or {})}

@@ -52,7 +52,6 @@ class PolicyTerm:
 class Registered:
     function: Callable
     check: Callable[[Mapping], None] | None
-    doc: str
 
 
 POLICY_LOSSES: dict[str, Registered] = {}
@@ -65,8 +64,7 @@ def _register(table: dict, kind: str, name: str, check):
         if name in table and table[name].function is not function:
             raise ValueError(f"{kind} {name!r} is registered twice ({table[name].function.__module__} and "
                              f"{function.__module__})")
-        doc = (function.__doc__ or "").strip().splitlines()[0] if function.__doc__ else ""
-        table[name] = Registered(function, check, doc)
+        table[name] = Registered(function, check)
         return function
     return decorate
 

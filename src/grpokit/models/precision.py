@@ -84,23 +84,12 @@ def compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return getattr(model, _COMPUTE_DTYPE_ATTR, None)
 
 
-def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
-    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(fsdp_root(model), FSDPModule)
-
-
 def compute_autocast(model: torch.nn.Module):
     """A context for running `model`'s forward: `torch.autocast` to the model's compute dtype when
     some of its weights are wider (fp32 master weights, LoRA adapters), else a no-op. A sharded
     (FSDP2) model casts through its MixedPrecisionPolicy instead."""
+    from grpokit.models.sharding import is_sharded  # sharding reads this module's compute dtype
+
     dtype = compute_dtype(model)
     if dtype is None or dtype == torch.float32 or is_sharded(model):
         return contextlib.nullcontext()

@@ -99,7 +99,7 @@ def token_logprobs(
     # Length of each row up to its last attended token; rows are grouped in order of it.
     # Meta tensors hold no values to sort or cut by: every column is computed.
     ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
-    groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=_is_fsdp(model))
+    groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=is_sharded(model))
     if len(groups) == 1:
         groups = [torch.arange(input_ids.shape[0])]  # one forward: keep the rows as given
     logps, entropies = [], []
@@ -173,7 +173,7 @@ def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
-    if _is_fsdp(model):  # its root gathers the embeddings and head in its own forward only
+    if is_sharded(model):  # its root gathers the embeddings and head in its own forward only
         return None
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         return None
@@ -187,7 +187,7 @@ def _sharded_root_with_plain_head(model: torch.nn.Module) -> torch.nn.Module | N
     """The FSDP2 root whose head can be tiled inside its own forward, or None: a sharded model of a
     known plain-head type without logit softcapping (its forward would softcap what the head returns)."""
     config = getattr(model, "config", None)
-    if not _is_fsdp(model) or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+    if not is_sharded(model) or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
     if getattr(config, "final_logit_softcapping", None) is not None:
         return None
@@ -234,10 +234,6 @@ def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, 
     finally:
         root.set_output_embeddings(head)
     return logp, tiled.entropy
-
-
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    return is_sharded(model)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

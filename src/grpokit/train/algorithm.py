@@ -77,10 +77,8 @@ class Algorithm:
             clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
             max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
             sampling_logp=sampling_logp if corrected else None,
-            # rollout.is_cap is tis's own key, older than rollout.is_args
-            is_cap=r.is_cap if corrected and r.is_correction == "tis" else None,
             denominator=total, policy_loss=cfg.loss, loss_args=cfg.loss_args,
-            is_correction=r.is_correction if corrected else None, is_args=r.is_args)
+            is_correction=r.is_correction if corrected else None, is_args=r.correction_args())
 
     def update_own_model(self, batch: Batch, update: Update) -> dict:
         """Train any model of the algorithm's own after the policy's update (PPO's critic)."""
