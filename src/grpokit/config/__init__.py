@@ -1,0 +1,43 @@
+"""One config tree of dataclasses: YAML in, `--key=value` overrides, validated before any model loads.
+
+Every field carries a one-line doc, the single source for `--help`, YAML keys and the
+config.yaml saved in each run directory. Names follow TRL's GRPOConfig where the concept
+is the same (num_generations, max_completion_length, learning_rate, beta, epsilon, ...).
+
+schema.py holds the sections, each with its own rules (`problems()`); validation.py the rules
+that span sections; loading.py reads YAML and overrides; resume.py says what a resumed run may change.
+"""
+
+from grpokit.config.loading import apply_overrides, from_dict, load_config, resolve_key, save_config
+from grpokit.config.resume import RESUME_SAFE_KEYS, resume_differences
+from grpokit.config.schema import (
+    Config,
+    DataConfig,
+    DataSource,
+    DistributedConfig,
+    EvalConfig,
+    GRPOConfig,
+    IterativeConfig,
+    LoraConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    SFTConfig,
+    TaskConfig,
+    TinyModelConfig,
+    describe,
+    opt,
+    to_dict,
+)
+from grpokit.config.validation import check_world_size, cross_section_problems, validate
+from grpokit.errors import ConfigError
+
+__all__ = [
+    "RESUME_SAFE_KEYS", "Config", "ConfigError", "DataConfig", "DataSource", "DistributedConfig", "EvalConfig",
+    "GRPOConfig", "IterativeConfig", "LoraConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RewardModelConfig",
+    "RolloutConfig", "SFTConfig", "TaskConfig", "TinyModelConfig", "apply_overrides", "check_world_size",
+    "cross_section_problems", "describe", "from_dict", "load_config", "opt", "resolve_key", "resume_differences",
+    "save_config", "to_dict", "validate",
+]

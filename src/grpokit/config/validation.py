@@ -1,0 +1,126 @@
+"""Validation of a whole config, before any model loads: each section's own rules (their
+`problems()`, in grpokit.config.schema), then the few rules that span sections, all here."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from grpokit.config.schema import Config, RewardConfig, failed
+from grpokit.errors import ConfigError
+
+
+def validate(config: Config) -> None:
+    """The first problem of `config` as a ConfigError: its sections' own rules, section by section,
+    then the rules that span sections. A named task's own reward replaces the default rewards first."""
+    _take_task_reward(config)
+    problem = next(itertools.chain(config.problems(), cross_section_problems(config)), None)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def cross_section_problems(config: Config) -> Iterator[str]:
+    """The rules that tie keys of different sections together, one message each."""
+    g, rm, model, iterations = config.grpo, config.reward_model, config.model, config.iterative.iterations
+    longest_row = g.max_completion_length + max(1, config.data.max_prompt_length)
+    yield from failed([
+        (g.max_tokens_per_micro_batch >= longest_row,
+         f"grpo.max_tokens_per_micro_batch={g.max_tokens_per_micro_batch} is smaller than the longest row, "
+         f"{longest_row} tokens (grpo.max_completion_length + data.max_prompt_length, or 1 prompt token when that "
+         f"is 0): raise it to at least that"),
+        (bool(config.rewards) or rm.kind != "none",
+         "rewards must name at least one reward function, or reward_model.kind must name a reward model"),
+        (rm.kind != "process" or config.algo == "grpo",
+         "process supervision (reward_model.kind=process) needs algo=grpo: PPO's critic takes one scalar reward"),
+        (rm.kind != "process" or g.scale_rewards,
+         "grpo.scale_rewards=false is not defined for process supervision: eq. 6 normalises step rewards by "
+         "their group std"),
+        (rm.hard_negatives == 0 or not (config.data.sources or config.data.sft_sources),
+         "reward_model.hard_negatives needs the built-in task, whose rule makes and labels the one-slip twins: "
+         "set it to 0 for data.sources"),
+        (iterations == 1 or rm.kind != "none",
+         "iterative.iterations > 1 refreshes a reward model: set reward_model.kind to outcome or process"),
+        (g.max_steps >= iterations,
+         "grpo.max_steps must be at least iterative.iterations (the steps are split over the iterations)"),
+        (config.task.num_sft_tir_examples == 0 or model.name_or_path or model.tiny.alphabet != "arithmetic",
+         "task.num_sft_tir_examples > 0 writes python programs, which model.tiny.alphabet=arithmetic cannot spell: "
+         "use model.tiny.alphabet=arithmetic-tir, or task.num_sft_tir_examples=0"),
+        (config.rollout.max_model_len == 0 or config.rollout.max_model_len > g.max_completion_length,
+         f"rollout.max_model_len={config.rollout.max_model_len} leaves no room for a prompt before "
+         f"grpo.max_completion_length={g.max_completion_length} tokens: raise it, or set 0 for the run's longest "
+         f"prompt + grpo.max_completion_length"),
+        (model.lora.r == 0 or iterations == 1,
+         "iterative.iterations > 1 resets pi_ref to pi_theta, which LoRA's reference (the base model under the "
+         "adapters) cannot follow: use model.lora.r=0"),
+    ])
+    yield from _task_problems(config)
+
+
+def _named_task(config: Config):
+    """The task class task.name names, None for auto; ValueError when it names none."""
+    # tasks sit above config (they import it, through eval): the one import against the layers,
+    # listed in pyproject.toml's ignore_imports; in here so that importing config does not cycle
+    from grpokit.tasks.registry import task_class
+
+    return None if config.task.name == "auto" else task_class(config.task.name)
+
+
+def _take_task_reward(config: Config) -> None:
+    """A named task's own reward replaces the default rewards (chain_accuracy, which would score its
+    answers by chain's rule). A task.name that names no task is left to _task_problems."""
+    try:
+        cls = _named_task(config)
+    except ValueError:
+        return
+    if cls is not None and cls.reward and config.rewards == [RewardConfig()]:
+        config.rewards = [RewardConfig(name=cls.reward)]
+
+
+def _task_problems(config: Config) -> Iterator[str]:
+    """task.name names a task, and no reward is another task's grader."""
+    from grpokit.tasks.registry import TASKS  # the import against the layers, as in _named_task
+
+    try:
+        cls = _named_task(config)
+    except ValueError as err:
+        yield f"task.name: {err}"
+        return
+    if cls is None:
+        return
+    graders = {t.reward: t.name for t in TASKS.values() if t is not cls and t.reward and t.reward != cls.reward}
+    for i, reward in enumerate(config.rewards):
+        if reward.name in graders:
+            fix = f"--rewards='[{{name: {cls.reward}}}]'" if cls.reward else "a reward that grades it"
+            yield (f"rewards[{i}]: {reward.name} grades the {graders[reward.name]} task, not "
+                   f"task.name={config.task.name}: use {fix}")
+
+
+def check_world_size(config: Config, world_size: int, per_node: int | None = None) -> None:
+    """Multi-process runs (torchrun): checks that need the world size (and `per_node`, the processes
+    on each machine, torchrun's LOCAL_WORLD_SIZE; default all of them), before any model loads."""
+    tp, per_node = config.rollout.tensor_parallel_size, per_node or world_size
+    if tp > 1 and (world_size <= 1 or per_node % tp):
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={tp} does not divide the {per_node if world_size > 1 else 1} "
+            f"process(es) per node of this run: one vLLM engine spans {tp} processes (GPUs) of one machine, so "
+            f"start torchrun with --nproc_per_node a multiple of {tp}, or lower rollout.tensor_parallel_size")
+    if world_size <= 1:
+        return
+    g = config.grpo
+    if g.prompts_per_step % world_size:
+        raise ConfigError(
+            f"grpo.prompts_per_step={g.prompts_per_step} does not split into whole groups over {world_size} "
+            f"processes (the world size): set grpo.prompts_per_step to a multiple of {world_size}, or start "
+            f"torchrun with a --nproc_per_node that divides {g.prompts_per_step}")
+    if config.distributed.fsdp == "off":
+        raise ConfigError(f"distributed.fsdp=off with {world_size} processes would train {world_size} separate "
+                          "models (nothing sums their gradients): set distributed.fsdp to auto or on")
+    unsupported = [
+        (g.dynamic_sampling, "grpo.dynamic_sampling"),
+        (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),
+        (config.iterative.iterations > 1, "iterative.iterations > 1"),
+    ]
+    for on, key in unsupported:
+        if on:
+            raise ConfigError(f"{key} is not supported under torchrun with {world_size} processes yet; "
+                              "run it in one process")
