@@ -134,12 +134,15 @@ def task_prompt(task: Task, row: dict, mode: str, tokenizer) -> str:
 
 @dataclass
 class EvalSettings:
+    """One `grpokit eval` run's generation settings. Those that are also config keys default to
+    the config's (eval.*), so the command and a training run's evaluation do not drift apart."""
+
     max_new_tokens: int = 1024
     max_tool_calls: int = EVAL.max_tool_calls
     k: int = 0
     temperature: float = EVAL.temperature
     seed: int = 0
-    batch_size: int = 64
+    batch_size: int = EVAL.batch_size
     tool_timeout: float = EVAL.tool_timeout_s
     max_model_len: int = 4096
 
@@ -230,7 +233,7 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
     if config is not None:
         print(f"grpokit: evaluating with the run's task ({task.name}) and its prompts", file=sys.stderr)
     settings.max_new_tokens = settings.max_new_tokens or (config.grpo.max_completion_length if config else 1024)
-    settings.batch_size = settings.batch_size or (config.eval.batch_size if config else 64)
+    settings.batch_size = settings.batch_size or (config.eval.batch_size if config else EVAL.batch_size)
     load_start = time.perf_counter()
     policy, tokenizer = load_model_and_tokenizer(model_path, dtype, device)
     layout = prompt_format(tokenizer)

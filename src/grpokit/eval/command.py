@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest context in tokens; 0 = the model's max_position_embeddings")
     p.add_argument("--batch-size", type=int, default=None,
                    help="questions per batch (and per resumable write); for a run's checkpoint, the run's "
-                        "eval.batch_size (the batches its own evaluation made) unless given (default: 64)")
+                        f"eval.batch_size (the batches its own evaluation made) unless given (default: {EVAL.batch_size}, "
+                        "as eval.batch_size)")
     p.add_argument("--seed", type=int, default=Config.seed, help="seed of the --k samples")
     p.add_argument("--device", default=MODEL.device, help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=MODEL.dtype, help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
