@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from grpokit import distributed
+from grpokit.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint, saved_world_size
 from grpokit.config import Config, ConfigError, check_world_size, resume_differences, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
@@ -45,7 +46,6 @@ from grpokit.models.loading import local_weights_dir
 from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
-from grpokit.stages import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.tasks import task_for
 from grpokit.tasks.base import evaluate_task
