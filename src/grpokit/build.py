@@ -1,5 +1,5 @@
 """The building blocks every entry point shares: seeding, the run directory, rewards from the
-config, the policy, the rollout engine, the trainer and the reward model. pipeline.py composes them."""
+config, the policy, the rollout engine, the trainer and the reward model. stages.py composes them."""
 
 from __future__ import annotations
 
