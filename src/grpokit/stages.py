@@ -10,6 +10,9 @@ its own share of each batch (train/loop.py); the models are sharded with FSDP2
 before/after table (results.md), summary.json and the reward curve. With a learned reward
 (reward_model.kind), round 0 trains the reward model on pi_SFT's own samples graded by rule,
 unless reward_model.path gives one; iterative.iterations > 1 refreshes it between iterations.
+
+The stages compose the building blocks of build.py; where a run resumes and what it refuses to
+resume with are in resume.py, the before/after table and the summary's results in report.py.
 """
 
 from __future__ import annotations
@@ -23,34 +26,29 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import yaml
-
 from grpokit import distributed
 from grpokit.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
-from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, save_checkpoint, saved_world_size
-from grpokit.config import Config, ConfigError, check_world_size, resume_differences, to_dict
-from grpokit.data.files import DatasetError, filter_long_prompts, read_file_records
-from grpokit.data.reward_data import (
-    pairs_from_graded,
-    read_graded_samples,
-    read_preference_pairs,
-    read_step_labels,
-    write_jsonl,
-)
+from grpokit.checkpoint import save_checkpoint
+from grpokit.config import Config, ConfigError, check_world_size
+from grpokit.data.files import DatasetError, filter_long_prompts
+from grpokit.data.reward_data import write_jsonl
+from grpokit.data.sniff import reward_model_examples
 from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
-from grpokit.eval.plots import plot_loss_curve, plot_reward_curve
+from grpokit.eval.plots import plot_loss_curve
 from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
-from grpokit.rundir import CLAIMED, NEW, check_not_complete, claim_run_dir
-from grpokit.runlock import RunLock
 from grpokit.models.loading import local_weights_dir
 from grpokit.models.lora import apply_lora, is_lora, load_lora
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
+from grpokit.report import report_results, stage_times
+from grpokit.resume import keep_rounds, resume_point
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
+from grpokit.rundir import CLAIMED, NEW, claim_run_dir
+from grpokit.runlock import RunLock
 from grpokit.tasks import task_for
 from grpokit.tasks.base import evaluate_task
 from grpokit.train.grpo import frozen_copy
-from grpokit.train.iterative import latest_iteration, rm_headline, run_iterations
+from grpokit.train.iterative import rm_headline, run_iterations
 from grpokit.train.reward_model import (
     evaluate_reward_model,
     example_record,
@@ -156,21 +154,6 @@ def run_demo(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> 
     return run_train(rl_config, progress, timings=timings, started=started, run_dir_mode=CLAIMED)
 
 
-def check_resume_config(checkpoint: Path, config: Config, force: bool) -> None:
-    """Refuse to resume with a config that changes what the run computes, unless forced."""
-    saved_file = checkpoint / "config.yaml"
-    if not saved_file.is_file():
-        raise CheckpointError(f"{checkpoint} has no config.yaml to compare against; pass --force to resume anyway")
-    differences = resume_differences(yaml.safe_load(saved_file.read_text()) or {}, to_dict(config))
-    if differences and not force:
-        raise ConfigError(
-            f"the config differs from the one {checkpoint} was trained with:\n  " + "\n  ".join(differences)
-            + "\nresume with the saved config (" + str(saved_file) + "), or pass --force to accept the changes"
-        )
-    if differences:
-        print("grpokit: --force: resuming with changed keys:\n  " + "\n  ".join(differences), file=sys.stderr)
-
-
 def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
     """Apply data.max_prompt_length to RL questions or SFT demonstrations, saying in one line how
     many of how many it dropped or cut."""
@@ -195,14 +178,6 @@ def _heldout_rows(rows: list[dict], config: Config, tokenizer) -> list[dict]:
     if note:
         print(note, file=sys.stderr)
     return short
-
-
-def _keep_rounds(run_dir: Path, last: int) -> None:
-    """Drop reward-model metrics rows of rounds after `last`: a resumed run redoes them."""
-    path = run_dir / "reward_model_metrics.jsonl"
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if json.loads(line).get("round", 0) <= last]
-        path.write_text("".join(row + "\n" for row in rows))
 
 
 def check_reward_model_setup(config: Config) -> None:
@@ -230,12 +205,12 @@ def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir
         stage = reward_model_stage(*stage_args, path=str(boundary / "reward_model"), engine=engine)
         shutil.copyfile(boundary / "replay_buffer.jsonl", stage.buffer.path)
         stage.buffer.load()
-        _keep_rounds(run_dir, int(boundary.name.split("-")[1]))
+        keep_rounds(run_dir, int(boundary.name.split("-")[1]))
         return stage
     if checkpoint is not None and not config.reward_model.path and (own / "config.json").is_file():
         stage = reward_model_stage(*stage_args, path=str(own), engine=engine)
         stage.buffer.load()  # round 0's replay share, which the next refresh must keep
-        _keep_rounds(run_dir, 0)
+        keep_rounds(run_dir, 0)
         return stage
     stage = reward_model_stage(*stage_args, engine=engine)
     if not config.reward_model.path:
@@ -243,30 +218,6 @@ def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir
         stage.save(own, metrics)
         print(f"{config.reward_model.kind} reward model, held-out: {rm_headline(metrics)}")
     return stage
-
-
-def _resume_point(config: Config, resume: bool | str, force: bool) -> tuple[Path | None, Path | None]:
-    """(checkpoint to resume from, iteration boundary) or (None, None) for a fresh run."""
-    if not resume:
-        return None, None
-    boundary = latest_iteration(config.output_dir) if config.iterative.iterations > 1 else None
-    if boundary is not None and resume is not True:
-        print(f"grpokit: iterative runs resume at their last iteration boundary ({boundary}), "
-              f"not at {resume}", file=sys.stderr)
-    checkpoint = boundary / "policy" if boundary is not None else \
-        find_resume_checkpoint(config.output_dir, None if resume is True else resume)
-    if boundary is None:
-        check_not_complete(config.output_dir, checkpoint, config.grpo.max_steps)
-    check_resume_config(checkpoint, config, force)
-    saved, world = saved_world_size(checkpoint), distributed.world_size()
-    if saved != world:
-        raise CheckpointError(
-            f"{checkpoint} was written by {saved} process{'es' * (saved > 1)} and this run has {world}: an exact "
-            f"resume needs the same number (torchrun --nproc_per_node={saved} ... --resume), because each "
-            f"process's optimizer shard and random streams are saved apart. To go on with {world} instead, start "
-            f"a new run from its weights: --model.name_or_path={checkpoint} (the optimizer and the data order "
-            f"start afresh)")
-    return checkpoint, boundary
 
 
 def _policy_for_run(config: Config, checkpoint: Path | None):
@@ -361,7 +312,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     check_world_size(config, distributed.world_size(), distributed.local_world_size())
     with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \
             ExitStack() as cleanup:
-        checkpoint, boundary = _resume_point(config, resume, force)
+        checkpoint, boundary = resume_point(config, resume, force)
         run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
         model, tokenizer, ref_model = _policy_for_run(config, checkpoint)
@@ -413,96 +364,13 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             after = evaluate_task(task, model, tokenizer, heldout, config, engine, exact_match=task.name == "chain",
                                   progress=progress, desc="held-out eval after RL")
             timings["eval_after_seconds"] = time.perf_counter() - t
-            summary.update(_report(config, task, run_dir, history, before, after))
+            summary.update(report_results(config, task, run_dir, history, before, after))
         summary.update(timings, wall_seconds=time.perf_counter() - started)
         if distributed.is_main():
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(stage_times(summary, config.algo))
     print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
     return summary
-
-
-STAGES = (("sft_seconds", "sft"), ("eval_before_seconds", "eval before"), ("reward_model_seconds", "reward model"),
-          ("rl_seconds", None), ("eval_after_seconds", "eval after"))
-
-
-def stage_times(summary: dict, algo: str) -> str:
-    """One line of each stage's wall time in `summary` and the remainder (loading, saving)."""
-    parts = [(name or algo, summary[key]) for key, name in STAGES if key in summary]
-    other = summary["wall_seconds"] - sum(seconds for _, seconds in parts)
-    return "stage times: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in [*parts, ("other", other)]) \
-        + f"; total {summary['wall_seconds']:.0f}s"
-
-
-def format_table(task, before, after, algo: str = "grpo") -> str:
-    """The before/after table of held-out accuracy (and the task's own rates)."""
-    k, name = after.k, algo.upper()
-    rates = [(key, task.report(before)[key] if before else None, value) for key, value in task.report(after).items()]
-    rows = [("greedy accuracy", before and before.greedy_accuracy, after.greedy_accuracy),
-            (f"pass@{k}", before and before.pass_at_k, after.pass_at_k),
-            (f"maj@{k}", before and before.maj_at_k, after.maj_at_k), *rates]
-    lines = [f"held-out questions: {after.num_questions}", f"{'metric':<16} {'before':>7} {name:>7} {'change':>8}"]
-    for label, b, a in rows:
-        change = f"{100 * (a - b):>+7.1f}pt" if b is not None else f"{'':>9}"
-        lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} {a:>7.1%} {change}")
-    if after.tir is not None:
-        lines += ["", tir_table(before, after, algo)]
-    return "\n".join(lines)
-
-
-def tir_table(before, after, algo: str = "grpo") -> str:
-    """DeepSeekMath's Table 5 in miniature: greedy accuracy with chain-of-thought and with
-    tool-integrated reasoning, before and after RL (which trained on CoT prompts only)."""
-    lines = [f"greedy accuracy  {'CoT':>7} {'TIR':>7}"]
-    has_before = before is not None and before.tir is not None
-    if has_before:
-        lines.append(f"{'pi_SFT':<16} {before.greedy_accuracy:>7.1%} {before.tir.greedy_accuracy:>7.1%}")
-    lines.append(f"{algo.upper():<16} {after.greedy_accuracy:>7.1%} {after.tir.greedy_accuracy:>7.1%}")
-    if has_before:
-        cot, tir = after.greedy_accuracy - before.greedy_accuracy, after.tir.greedy_accuracy - before.tir.greedy_accuracy
-        lines.append(f"{'change':<16} {f'{100 * cot:+.1f}pt':>7} {f'{100 * tir:+.1f}pt':>7}")
-    return "\n".join(lines)
-
-
-def _report(config: Config, task, run_dir: Path, history: list[dict], before, after) -> dict:
-    """Print and write the before/after table and the reward curve (of every step the run logged,
-    before a resume too); the summary's results."""
-    logged = run_dir / "metrics.jsonl"
-    history = (read_metrics(logged) if logged.is_file() else []) or history
-    table = format_table(task, before, after, config.algo)
-    print(table)
-    if after.tir is not None:
-        tir, cot_s = after.tir, after.greedy_seconds
-        ratio = f"{tir.seconds / cot_s:.1f}x CoT greedy's {cot_s:.1f}s; " if cot_s > 0 else ""
-        print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({ratio}generation "
-              f"{tir.generate_seconds:.1f}s, {tir.programs} programs {tir.tool_seconds:.1f}s)")
-    print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
-    if distributed.is_main():  # every process evaluated the same questions; one writes
-        (run_dir / "results.md").write_text(table + "\n")
-        plot_reward_curve(history, run_dir / "reward_curve.png",
-                          title=f"grpokit {config.algo.upper()} (seed {config.seed})",
-                          baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
-    refreshes = run_dir / "reward_model_metrics.jsonl"
-    rm_rounds = [json.loads(line) for line in refreshes.read_text().splitlines()] if refreshes.is_file() else []
-    out = {
-        "reward": "rule" if config.reward_model.kind == "none" else "model",
-        "supervision": "process" if config.reward_model.kind == "process" else "outcome",
-        "iterations": config.iterative.iterations,
-        "reward_model": next((r for r in rm_rounds if r.get("round", 0) == 0), None),
-        "reward_model_refreshes": [r for r in rm_rounds if r.get("round", 0) > 0],
-        "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
-        **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
-    }
-    if after.tir is not None:
-        out["grpo_tir_accuracy"] = after.tir.greedy_accuracy
-    if before is not None and before.tir is not None and after.tir is not None:
-        out.update(sft_tir_accuracy=before.tir.greedy_accuracy,
-                   tir_improvement_points=100 * (after.tir.greedy_accuracy - before.tir.greedy_accuracy))
-    if before is not None:
-        out.update({"sft_accuracy": before.greedy_accuracy, "sft": before.as_dict(),
-                    "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
-                    **{f"sft_{key.replace(' ', '_')}": value for key, value in task.report(before).items()}})
-    return out
 
 
 def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mode: str = NEW) -> dict:
@@ -537,20 +405,6 @@ def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mod
     print(json.dumps(stats, indent=2))
     print(f"wrote {len(examples)} step-labelled solutions to {out}")
     return stats
-
-
-def reward_model_examples(path: str, kind: str, delimiter: str, skip_malformed: bool, seed: int,
-                          max_pairs_per_prompt: int = 8) -> list:
-    """Training examples from a file: preference pairs (prompt, chosen, rejected), graded samples
-    (prompt, completion, correct) made into pairs, or step-labelled samples for a process RM."""
-    if kind == "process":
-        return read_step_labels(path, delimiter, skip_malformed)
-    records, _ = read_file_records(path, skip_malformed=True)
-    first = records[0][1] if records and isinstance(records[0][1], dict) else {}
-    if "chosen" in first or "rejected" in first:
-        return read_preference_pairs(path, skip_malformed)
-    return pairs_from_graded(read_graded_samples(path, skip_malformed), seed=seed,
-                             max_pairs_per_prompt=max_pairs_per_prompt)
 
 
 def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_mode: str = NEW) -> Path:
