@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from grpokit.build import ASCII_ALPHABET
 from grpokit.checkpoint import save_checkpoint
 from grpokit.config import DataSource
 from grpokit.data.files import DatasetError
@@ -20,7 +21,6 @@ from grpokit.data.sources import load_source
 from grpokit.metrics import read_metrics
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rewards.answers import math_reference, reference_boxes
-from grpokit.stages import ASCII_ALPHABET
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("GRPOKIT_DATA") or REPO.parent / "shared" / "data")

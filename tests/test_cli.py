@@ -103,7 +103,7 @@ def test_lora_demo_improves_over_the_sft_model(tmp_path, seed0_demo):
 
 def test_tir_table_golden():
     from grpokit.eval.evaluate import EvalResult, TIRResult
-    from grpokit.pipeline import tir_table
+    from grpokit.report import tir_table
 
     def result(cot, tir):
         return EvalResult(cot, 0.0, 0.0, 8, 500, tir=TIRResult(tir, 500, 500, 1.0, 0.5, 0.5, True))
@@ -117,7 +117,7 @@ def test_tir_table_golden():
 
 
 def test_stage_times_names_each_stage_and_what_is_left():
-    from grpokit.pipeline import stage_times
+    from grpokit.report import stage_times
 
     summary = {"sft_seconds": 100.4, "eval_before_seconds": 8.0, "reward_model_seconds": 30.2, "rl_seconds": 90.0,
                "eval_after_seconds": 9.0, "wall_seconds": 240.0}

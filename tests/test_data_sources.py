@@ -4,12 +4,12 @@ import json
 
 import pytest
 
+from grpokit.build import ASCII_ALPHABET
 from grpokit.config import DataConfig, DataSource
 from grpokit.data.files import DatasetError
 from grpokit.data.sources import build_rows, detect_format, load_source, worked_solution
 from grpokit.data.templates import COT_INSTRUCTION, render_prompt
 from grpokit.models import build_char_tokenizer
-from grpokit.stages import ASCII_ALPHABET
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

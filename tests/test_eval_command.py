@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpokit import cli
+from grpokit.build import ASCII_ALPHABET
 from grpokit.checkpoint import CheckpointManager
 from grpokit.data.files import DatasetError
 from grpokit.eval.benchmark import (
@@ -30,7 +31,6 @@ from grpokit.tasks.math import grade_answers as grade
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.rollout.sampler import stop_string_cut
-from grpokit.stages import ASCII_ALPHABET
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).with_name("fixtures")

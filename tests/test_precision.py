@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from grpokit.build import load_policy
 from grpokit.checkpoint import save_checkpoint
 from grpokit.config import ConfigError, GRPOConfig, load_config
 from grpokit.data import arithmetic
@@ -20,7 +21,6 @@ from grpokit.models.precision import (Precision, compute_autocast, compute_dtype
 from grpokit.models.sharding import mixed_precision_policy
 from grpokit.rewards import WeightedReward
 from grpokit.rollout.logprobs import token_logprobs
-from grpokit.stages import load_policy
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.loop import frozen_copy
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from grpokit.build import ASCII_ALPHABET
 from grpokit.config import RewardModelConfig
 from grpokit.data import arithmetic
 from grpokit.data.reward_data import PreferencePair, StepLabelledSample
@@ -26,7 +27,6 @@ from grpokit.rewards.learned import (
     policy_step_ends,
     save_reward_model,
 )
-from grpokit.stages import ASCII_ALPHABET
 from grpokit.train.grpo import step_advantages
 from grpokit.train.reward_model import (
     ReplayBuffer,

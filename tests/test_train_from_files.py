@@ -9,11 +9,11 @@ from pathlib import Path
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpokit.build import ASCII_ALPHABET
 from grpokit.checkpoint import save_checkpoint, verify_checkpoint
 from grpokit.config import load_config
 from grpokit.metrics import read_metrics
 from grpokit.models import build_char_tokenizer, build_tiny_model
-from grpokit.stages import ASCII_ALPHABET
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_ROWS = [

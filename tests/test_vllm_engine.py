@@ -257,7 +257,7 @@ def test_stop_strings_end_completions_as_sample_groups_does():
     the end of the text, the mask ending on its last token, not truncated); seeded sampling
     with a stop string is the unstopped sample cut after the stop."""
     from grpokit.rollout.vllm import VLLMEngine
-    from grpokit.stages import ASCII_ALPHABET
+    from grpokit.build import ASCII_ALPHABET
 
     tokenizer = build_char_tokenizer(ASCII_ALPHABET)  # transformers' stop_strings need letters
     prompts = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]

@@ -23,7 +23,7 @@ from grpokit.rundir import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, defau
 from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
 from grpokit.tasks.registry import task_names
 
-# The training stack (pipeline, train, eval and what only they use) is imported where a command
+# The training stack (stages, train, eval and what only they use) is imported where a command
 # runs, not here: `grpokit --help` and `grpokit bench` start without it.
 
 DEMO_PRESET = resources.files("grpokit") / "presets" / "demo.yaml"
@@ -218,7 +218,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
-    from grpokit import pipeline  # see the imports at the top
+    from grpokit import stages  # see the imports at the top
 
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
@@ -228,15 +228,15 @@ def _run(args, config) -> int:
     try:
         progress, mode = not args.quiet, OVERWRITE if args.overwrite else NEW
         if args.command == "demo":
-            pipeline.run_demo(config, progress, mode)
+            stages.run_demo(config, progress, mode)
         elif args.command == "label-steps":
-            pipeline.run_label_steps(config, args.out, progress, mode)
+            stages.run_label_steps(config, args.out, progress, mode)
         elif args.command == "train-rm":
-            pipeline.run_train_rm(config, progress, data=args.data, run_dir_mode=mode)
+            stages.run_train_rm(config, progress, data=args.data, run_dir_mode=mode)
         elif args.command == "train":
-            pipeline.run_train(config, progress, resume=args.resume, force=args.force, run_dir_mode=mode)
+            stages.run_train(config, progress, resume=args.resume, force=args.force, run_dir_mode=mode)
         else:
-            pipeline.run_sft(config, progress, mode)
+            stages.run_sft(config, progress, mode)
     except BaseException as err:
         if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
             reason = (str(err).strip().splitlines() or [""])[0][:300]

@@ -1,135 +1,447 @@
-"""The building blocks every entry point shares: seeding, the run directory, rewards from the
-config, the policy, the rollout engine, the trainer and the reward model. pipeline.py composes them."""
+"""The stages and their one composition. `grpokit sft`, `train-rm` and `train` run one stage
+each on any checkpoint; `grpokit demo` runs the stages its preset (presets/demo.yaml) lists,
+the same code: SFT -> pi_SFT saved and reloaded through the hub loader -> RL -> the table.
+
+Under `torchrun --nproc_per_node=N -m grpokit train ...` every process runs this same code on
+its own share of each batch (train/loop.py); the models are sharded with FSDP2
+(models/sharding.py), and rank 0 alone takes the run lock and writes files.
+
+`train` evaluates the task's held-out questions before and after RL (eval.before), writes the
+before/after table (results.md), summary.json and the reward curve. With a learned reward
+(reward_model.kind), round 0 trains the reward model on pi_SFT's own samples graded by rule,
+unless reward_model.path gives one; iterative.iterations > 1 refreshes it between iterations.
+
+The stages compose the building blocks of build.py; where a run resumes and what it refuses to
+resume with are in resume.py, the before/after table and the summary's results in report.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import shutil
 import sys
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import torch
-
-from grpokit.config import Config, ConfigError, save_config, to_dict
-from grpokit.loggers import make_loggers
-from grpokit.data import arithmetic
-from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
-from grpokit.models.loading import resolve_device
-from grpokit.models.precision import resolve_precision, set_compute_dtype
-from grpokit.rewards import WeightedReward
-from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
-from grpokit.rewards.registry import reward_function
-from grpokit.rewards.scoring import row_columns, score_completions
-from grpokit.rollout import make_engine
-from grpokit.tasks import Task
-from grpokit.train.grpo import GRPOTrainer
-from grpokit.train.iterative import RewardModelStage
-from grpokit.train.ppo import PPOTrainer
-from grpokit.train.reward_model import new_scorer
-
-ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
-# Per-run logs a fresh (not resumed) run starts without.
-RUN_LOGS = ("metrics.jsonl", "reward_model_metrics.jsonl", "replay_buffer.jsonl")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def build_rewards(config: Config, tokenizer=None) -> list[WeightedReward]:
-    """The configured rewards; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
-    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
-            for r in config.rewards]
-
-
-def load_policy(config: Config, path: str | None = None, trainable: bool = True):
-    """(model, tokenizer): `path` or model.name_or_path through the hub loader, or a fresh tiny model.
-    A `trainable` model holds its weights in model.master_dtype, a frozen one in model.dtype; both
-    compute in model.dtype (models/precision.py)."""
-    m = config.model
-    master = m.master_dtype if trainable else "same"
-    if path or m.name_or_path:
-        return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
-                                        m.trust_remote_code, master_dtype=master)
-    t = m.tiny
-    alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
-    tokenizer = build_char_tokenizer(alphabets[t.alphabet])
-    model = build_tiny_model(tokenizer, t.architecture, t.hidden_size, t.num_layers, t.num_heads,
-                             t.intermediate_size, seed=config.seed)
-    device = resolve_device(m.device)
-    precision = resolve_precision(m.dtype, master, device)
-    return set_compute_dtype(model.to(device=device, dtype=precision.master), precision.compute), tokenizer
+from grpokit import distributed
+from grpokit.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
+from grpokit.checkpoint import save_checkpoint
+from grpokit.config import Config, ConfigError, check_world_size
+from grpokit.data.files import DatasetError, filter_long_prompts
+from grpokit.data.reward_data import write_jsonl
+from grpokit.data.sniff import reward_model_examples
+from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
+from grpokit.eval.plots import plot_loss_curve
+from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
+from grpokit.models.loading import local_weights_dir
+from grpokit.models.lora import apply_lora, is_lora, load_lora
+from grpokit.models.precision import describe_precision
+from grpokit.models.sharding import shard_model, world_sharding
+from grpokit.report import report_results, stage_times
+from grpokit.resume import keep_rounds, resume_point
+from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
+from grpokit.rundir import CLAIMED, NEW, claim_run_dir
+from grpokit.runlock import RunLock
+from grpokit.tasks import task_for
+from grpokit.eval.evaluate import evaluate_task
+from grpokit.eval.questions import write_heldout
+from grpokit.eval.records import write_heldout_completions
+from grpokit.train.grpo import frozen_copy
+from grpokit.train.iterative import rm_headline, run_iterations
+from grpokit.train.reward_model import (
+    evaluate_reward_model,
+    example_record,
+    fit_reward_model,
+    rollout_step_examples,
+    sample_completions,
+    split_by_prompt,
+)
+from grpokit.train.sft import sft_train
 
 
-def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
-    """Create the run directory, save config.yaml, seed everything; a `fresh` run drops the
-    per-run logs an earlier run left there. `write`=False (ranks other than 0) only seeds."""
-    run_dir = Path(config.output_dir)
-    if not write:
-        seed_everything(config.seed)
-        return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if fresh:
-        for stale in RUN_LOGS:
-            (run_dir / stale).unlink(missing_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    seed_everything(config.seed)
-    return run_dir
+def on_main(step, what: str) -> None:
+    """Run `step` on rank 0 alone; when it fails there, every process stops (rank 0 with its error)."""
+    failure = None
+    if distributed.is_main():
+        try:
+            step()
+        except Exception as err:
+            failure = err
+    if not distributed.all_agree(failure is None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not {what}; see its message")
 
 
-def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Path, progress: bool = True,
-                 ref_model=None, reward_scorer=None, engine=None):
-    """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline. An
-    outcome `reward_scorer` joins the rewards by weight; a process one gives process supervision."""
-    rewards = build_rewards(config, tokenizer)
-    process = None
-    if reward_scorer is not None and reward_scorer.kind == "outcome":
-        rewards.append(WeightedReward("reward_model", reward_scorer, config.reward_model.weight, None))
-    elif reward_scorer is not None:
-        process = reward_scorer
-    engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
-    logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
-    common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
-                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged)
-    if config.algo == "ppo":
-        return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
-    return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)
+@contextmanager
+def run_lock(output_dir: str, mode: str = CLAIMED, can_resume: bool = False):
+    """The run directory's lock, taken by rank 0 alone (the other processes write nothing there),
+    and the directory claimed for a new run (rundir.claim_run_dir) unless `mode` is CLAIMED;
+    when rank 0 cannot take or claim it, every process stops."""
+    lock = RunLock(output_dir)
+    on_main(lock.__enter__, f"lock the run directory {output_dir}")
+    try:
+        on_main(lambda: claim_run_dir(output_dir, mode, can_resume), f"claim the run directory {output_dir}")
+        yield
+    finally:
+        if distributed.is_main():
+            lock.__exit__(None, None, None)
 
 
-def verifier(config: Config, task: Task, tokenizer=None):
-    """grade(rows, completions) -> [bool]: the rule that labels reward-model data. The configured
-    rule-based rewards when there are any (correct = weighted sum > 0.5), else the task's own rule."""
-    if not config.rewards:
-        return task.grade
-    rewards = build_rewards(config, tokenizer)
-
-    def grade(rows: list[dict], completions: list[str]) -> list[bool]:
-        result = score_completions(rewards, [r["prompt"] for r in rows], completions, row_columns(rows))
-        return [bool(ok) and float(t) > 0.5 for t, ok in zip(result.total, result.valid)]
-
-    return grade
+def claim(output_dir: str, mode: str) -> None:
+    """Claim output_dir for a new run (rundir.claim_run_dir) under its lock, then release the lock
+    for the run's stages to take in turn."""
+    with run_lock(output_dir, mode):
+        pass
 
 
-def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list[dict], run_dir: Path,
-                       progress: bool = True, path: str | None = None, engine=None) -> RewardModelStage:
-    """The reward model config.reward_model names, wrapped for training and scoring: loaded from
-    `path` (default reward_model.path), or new from the policy's backbone (then untrained)."""
+SFT_METRICS, SFT_LOSS_CURVE = "sft_metrics.jsonl", "sft_loss_curve.png"
+
+
+def run_sft(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> Path:
+    """SFT model.name_or_path (or a fresh tiny model) on the task's demonstrations; data parallel
+    under torchrun (sft.batch_size is the global batch). Writes sft_metrics.jsonl (a row a step)
+    and sft_loss_curve.png beside the checkpoint. `run_dir_mode`: rundir.NEW, OVERWRITE or CLAIMED."""
+    check_sources(config.data.sft_sources, config.data.skip_malformed_lines)  # before any model loads
+    if config.sft.batch_size % distributed.world_size():
+        raise ConfigError(f"sft.batch_size={config.sft.batch_size} does not split over {distributed.world_size()} "
+                          f"processes (the world size): make it a multiple of {distributed.world_size()}")
+    with run_lock(config.output_dir, run_dir_mode):
+        run_dir = start_run(config, write=distributed.is_main())
+        model, tokenizer = load_policy(config)
+        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"{describe_precision(model)}")
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if world_sharding(config.distributed.fsdp):
+            shard_model(model)
+        demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)
+        if not demos:
+            raise ConfigError("no SFT demonstrations: set data.sft_sources to files with worked solutions")
+        log = run_dir / SFT_METRICS
+        with (MetricsWriter(log) if distributed.is_main() else NullWriter()) as writer:
+            losses = sft_train(model, tokenizer, [(r["prompt"], r["completion"]) for r in demos], config.sft,
+                               seed=config.seed, progress=progress, on_step=writer.write)
+        path = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
+        if distributed.is_main():
+            plot_loss_curve(read_metrics(log), run_dir / SFT_LOSS_CURVE, title=f"grpokit SFT (seed {config.seed})")
+    print(f"saved {path} ({len(demos)} demonstrations, final loss {losses[-1]:.4f}); "
+          f"loss per step in {run_dir / SFT_METRICS} and {run_dir / SFT_LOSS_CURVE}")
+    return path
+
+
+def run_demo(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> dict:
+    """The preset's stages in order: SFT (unless sft.checkpoint gives pi_SFT), then RL from it,
+    in one run directory."""
+    started = time.perf_counter()
+    sft_dir = config.sft.checkpoint
+    if sft_dir and not (Path(sft_dir) / "config.json").is_file():
+        raise ConfigError(f"sft.checkpoint {sft_dir!r} is not a saved model (no config.json there); "
+                          "point it at a run's checkpoints/sft directory")
+    claim(config.output_dir, run_dir_mode)  # the stages below share the directory, each taking its lock
+    timings = {}
+    if "sft" in config.stages and not sft_dir:
+        sft_dir = str(run_sft(config, progress, CLAIMED))
+        timings["sft_seconds"] = time.perf_counter() - started
+    elif sft_dir:
+        print(f"pi_SFT from {sft_dir} (sft.checkpoint); no SFT in this run")
+    if "train" not in config.stages:
+        return {"checkpoint": sft_dir}
+    # pi_SFT enters RL through the same loader a hub checkpoint would.
+    rl_config = dataclasses.replace(config, model=dataclasses.replace(config.model, name_or_path=sft_dir or
+                                                                      config.model.name_or_path))
+    return run_train(rl_config, progress, timings=timings, started=started, run_dir_mode=CLAIMED)
+
+
+def _limit_prompts(rows: list[dict], config: Config, tokenizer) -> list[dict]:
+    """Apply data.max_prompt_length to RL questions or SFT demonstrations, saying in one line how
+    many of how many it dropped or cut."""
+    d = config.data
+    is_sft = bool(rows) and "completion" in rows[0]  # only demonstrations carry their target
+    what, key = ("SFT demonstrations", "data.sft_sources") if is_sft else ("RL questions", "data.sources")
+    kept, long = filter_long_prompts(rows, tokenizer, d.max_prompt_length, d.long_prompts, key)
+    if long:
+        print(long_prompts_note(long, len(rows), what, d), file=sys.stderr)
+    return kept
+
+
+def _heldout_rows(rows: list[dict], config: Config, tokenizer) -> list[dict]:
+    """Held-out rows within data.max_prompt_length, whatever data.long_prompts says: evaluation
+    drops a long question, never cuts it (a cut question is another question). What was dropped,
+    or why nothing is left to evaluate, is said in one line."""
+    try:
+        short, long = filter_long_prompts(rows, tokenizer, config.data.max_prompt_length, "skip", "held-out questions")
+    except DatasetError:  # no held-out question is short enough
+        short, long = [], len(rows)
+    note = heldout_note(len(rows), long, config.data)
+    if note:
+        print(note, file=sys.stderr)
+    return short
+
+
+def check_reward_model_setup(config: Config) -> None:
+    """Setups that could only fail after training has started, refused before any model loads."""
     rm = config.reward_model
-    path = rm.path if path is None else path
-    if path:
-        retrained = config.iterative.iterations > 1  # iterative GRPO trains it on: fp32 master weights
-        model, rm_tokenizer, info = load_reward_model(path, rm.device, config.model.dtype,
-                                                      config.model.master_dtype if retrained else "same")
-        if info.kind != rm.kind:
-            raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
-        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            print("grpokit: the reward model's tokenizer differs from the policy's; it reads completions as text, "
-                  "re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
-        scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
-    else:
-        model = new_reward_model(policy, tokenizer, rm.kind).to(resolve_device(rm.device))
-        scorer = new_scorer(model, tokenizer, rm.kind, rm)
-    shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
-    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
-                            config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
-                            hard_negative=task.hard_negative)
+    needs_labels = not rm.path or config.iterative.iterations > 1
+    if rm.kind == "process" and config.data.sources and needs_labels and rm.label == "rule":
+        raise ConfigError(
+            "process labels for data.sources cannot be made by rule (only the built-in task has a step checker): "
+            "set reward_model.label=rollouts to label steps from rollouts, or train a PRM with `grpokit "
+            "label-steps` + `grpokit train-rm --process --data STEPS.jsonl` and set reward_model.path to it")
+
+
+def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
+                          boundary: Path | None, engine):
+    """The run's reward model: from an iteration boundary (with its replay buffer), from the one
+    this run trained before (on resume), from reward_model.path, or trained now on the policy's
+    graded samples (round 0) and saved as run_dir/reward_model."""
+    if config.reward_model.kind == "none":
+        return None
+    seed_everything(config.seed)  # the reward model's data does not depend on how pi_SFT was obtained
+    own = run_dir / "reward_model"
+    stage_args = (config, task, policy, tokenizer, rows, run_dir, progress)
+    if boundary is not None:
+        stage = reward_model_stage(*stage_args, path=str(boundary / "reward_model"), engine=engine)
+        shutil.copyfile(boundary / "replay_buffer.jsonl", stage.buffer.path)
+        stage.buffer.load()
+        keep_rounds(run_dir, int(boundary.name.split("-")[1]))
+        return stage
+    if checkpoint is not None and not config.reward_model.path and (own / "config.json").is_file():
+        stage = reward_model_stage(*stage_args, path=str(own), engine=engine)
+        stage.buffer.load()  # round 0's replay share, which the next refresh must keep
+        keep_rounds(run_dir, 0)
+        return stage
+    stage = reward_model_stage(*stage_args, engine=engine)
+    if not config.reward_model.path:
+        metrics = stage.train_round(policy, 0)
+        stage.save(own, metrics)
+        print(f"{config.reward_model.kind} reward model, held-out: {rm_headline(metrics)}")
+    return stage
+
+
+def _policy_for_run(config: Config, checkpoint: Path | None):
+    """(policy, tokenizer, reference or None) for RL: model.name_or_path, or the checkpoint resumed;
+    with LoRA (model.lora.r > 0), the base model plus new or resumed adapters, and no separate
+    reference (the trainer runs the base under the adapters). None = the trainer makes the reference."""
+    lora = config.model.lora.r > 0
+    # a LoRA base is frozen (compute dtype); a full fine-tune holds model.master_dtype weights
+    model, tokenizer = load_policy(config, None if lora or checkpoint is None else str(checkpoint), trainable=not lora)
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if lora:
+        model = apply_lora(model, config.model.lora) if checkpoint is None else load_lora(model, checkpoint)
+    elif checkpoint is not None and config.grpo.beta > 0:
+        # the resumed policy, and the initial one frozen in place as pi_ref: two copies, not three
+        # loaded as the uninterrupted run's policy was, then frozen the same way: the same pi_ref
+        ref_model = frozen_copy(load_policy(config)[0])
+    return model, tokenizer, ref_model
+
+
+def _shard_for_run(config: Config, model, ref_model):
+    """FSDP2 for the policy and the frozen reference (made before sharding: a sharded model cannot be
+    copied) when distributed.fsdp asks for it; the pair to train with."""
+    if not world_sharding(config.distributed.fsdp):
+        return model, ref_model
+    if ref_model is None and config.grpo.beta > 0 and not is_lora(model):
+        ref_model = frozen_copy(model)
+    shard_model(model)
+    if ref_model is not None:
+        shard_model(ref_model)
+    return model, ref_model
+
+
+# Tokens a program's printed output may add to a context in each TIR round.
+TIR_OUTPUT_ROOM = 64
+
+
+def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts: list[str] | None = None,
+                      step_prefixes: bool = False) -> int | None:
+    """A vLLM engine's max_model_len for a run over `prompts` (None for hf): the longest prompt +
+    grpo.max_completion_length, twice that completion when step prefixes are continued (process
+    labels from rollouts), and TIR's rounds of completion + program output after its prompts."""
+    if not engine_spec(config.rollout.engine).copies_weights:
+        return None
+    c = config.grpo.max_completion_length
+    room = 2 * c if step_prefixes else c
+    longest = longest_prompt_tokens(tokenizer, prompts)
+    needed, what = longest + room, f"the longest prompt ({longest} tokens) + {room} completion tokens"
+    if tir_prompts:
+        tir_longest = longest_prompt_tokens(tokenizer, tir_prompts)
+        tir_room = config.eval.max_tool_calls * (c + TIR_OUTPUT_ROOM)
+        if tir_longest + tir_room > needed:
+            needed = tir_longest + tir_room
+            what = (f"the longest TIR prompt ({tir_longest} tokens) + eval.max_tool_calls x (grpo.max_completion_length"
+                    f" + {TIR_OUTPUT_ROOM} output tokens) ({tir_room})")
+    return run_max_model_len(config.rollout, needed, what)
+
+
+def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout: list[dict]) -> int | None:
+    """_engine_model_len for RL: its questions, the held-out ones and their TIR form when evaluated."""
+    if not engine_spec(config.rollout.engine).copies_weights:
+        return None
+    tir = task.tir_rows(heldout, tokenizer) if heldout and config.eval.tir else None
+    return _engine_model_len(config, tokenizer, [r["prompt"] for r in rows + heldout],
+                             [r["prompt"] for r in tir or []], _labels_from_rollouts(config))
+
+
+def _loaded_weights_dir(config: Config, checkpoint: Path | None = None) -> str | None:
+    """Where the policy just loaded (from `checkpoint`, else model.name_or_path; a LoRA policy's
+    base) lies in from_pretrained form, for a vLLM engine to load without a copy; None for a tiny
+    model built in memory, or weights vLLM cannot read alone."""
+    if not engine_spec(config.rollout.engine).copies_weights:
+        return None
+    source = str(checkpoint) if checkpoint is not None else config.model.name_or_path
+    return local_weights_dir(source) if source else None
+
+
+def _labels_from_rollouts(config: Config) -> bool:
+    return config.reward_model.kind == "process" and config.reward_model.label == "rollouts"
+
+
+def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
+              timings: dict | None = None, started: float | None = None, run_dir_mode: str = NEW) -> dict:
+    """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
+    intact checkpoint of output_dir (or from the path given). A new run needs an unused output_dir
+    (`run_dir_mode`: rundir.NEW, OVERWRITE or CLAIMED). Returns the run's summary."""
+    started = started or time.perf_counter()
+    for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
+        check_sources(sources, config.data.skip_malformed_lines)
+    check_reward_model_setup(config)
+    check_world_size(config, distributed.world_size(), distributed.local_world_size())
+    with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \
+            ExitStack() as cleanup:
+        checkpoint, boundary = resume_point(config, resume, force)
+        run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
+        task = task_for(config)
+        model, tokenizer, ref_model = _policy_for_run(config, checkpoint)
+        model, ref_model = _shard_for_run(config, model, ref_model)
+        data = task.data(tokenizer, sft=False)
+        rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
+        if heldout and distributed.is_main():
+            write_heldout(run_dir, heldout)  # what `grpokit eval RUN_DIR` evaluates
+        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
+        engine = make_engine(config.rollout, model, tokenizer, config.seed,
+                             _train_model_len(config, task, tokenizer, rows, heldout),
+                             _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))
+        cleanup.callback(engine.close)  # vLLM's own process groups go before torchrun's
+        timings = dict(timings or {})
+        before = None
+        if heldout and config.eval.before and checkpoint is None:
+            t = time.perf_counter()
+            before = evaluate_task(task, model, tokenizer, heldout, config, engine,
+                                   progress=progress, desc="held-out eval before RL")
+            if distributed.is_main():
+                write_heldout_completions(run_dir / "heldout-before.jsonl", heldout, before)
+            timings["eval_before_seconds"] = time.perf_counter() - t
+            engine.release_memory(weights_pushed_next=False)  # the reward model may train next
+            print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
+                  + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
+        t = time.perf_counter()
+        stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,
+                                      engine)
+        if stage is not None:
+            timings["reward_model_seconds"] = time.perf_counter() - t
+        seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
+        trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
+                               reward_scorer=stage.scorer if stage else None, engine=engine)
+        if checkpoint is not None:
+            trainer.resume_from(checkpoint)
+            if distributed.is_main():
+                print(f"resumed from {checkpoint} at step {trainer.global_step}", file=sys.stderr)
+        rl_started = time.perf_counter()
+        start = int(boundary.name.split("-")[1]) + 1 if boundary is not None else 1
+        try:
+            history = run_iterations(trainer, stage, config.iterative.iterations, start=start)
+        finally:
+            trainer.logger.close()
+        final = trainer.checkpoints.latest()
+        if trainer.interrupted:
+            print("stopped before the final evaluation; the checkpoint above is loadable with from_pretrained")
+            return {"interrupted": True, "checkpoint": str(final)}
+        timings["rl_seconds"] = time.perf_counter() - rl_started
+        summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
+        if heldout:
+            t = time.perf_counter()
+            after = evaluate_task(task, model, tokenizer, heldout, config, engine,
+                                  progress=progress, desc="held-out eval after RL")
+            if distributed.is_main():
+                write_heldout_completions(run_dir / "heldout-after.jsonl", heldout, after)
+            timings["eval_after_seconds"] = time.perf_counter() - t
+            summary.update(report_results(config, task, run_dir, history, before, after))
+        summary.update(timings, wall_seconds=time.perf_counter() - started)
+        if distributed.is_main():
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(stage_times(summary, config.algo))
+    print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
+    return summary
+
+
+def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mode: str = NEW) -> dict:
+    """Math-Shepherd step labels: sample reward_model.samples_per_question solutions of
+    reward_model.num_questions questions from the policy, split them at reward_model.step_delimiter,
+    continue every step prefix reward_model.label_rollouts times, grade by rule, and write
+    (prompt, steps, labels, soft_labels) records to `out`, the file `train-rm --process --data` reads."""
+    check_sources(config.data.sources, config.data.skip_malformed_lines)
+    rm = config.reward_model
+    with run_lock(config.output_dir, run_dir_mode):
+        run_dir = start_run(config)
+        policy, tokenizer = load_policy(config, trainable=False)  # it only samples
+        task = task_for(config)
+        rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
+        rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))
+        model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows], step_prefixes=True)
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len, _loaded_weights_dir(config))
+        sampled, completions = sample_completions(engine, rows, rm, config.grpo.max_completion_length,
+                                                  progress=progress)
+        started = time.perf_counter()
+        examples, stats = rollout_step_examples(engine, sampled, completions, task.grade, rm,
+                                                config.grpo.max_completion_length, progress)
+        stats["seconds"] = time.perf_counter() - started
+        if task.step_labeller is not None:  # the built-in task can check every step: how often rollouts agree
+            by_prompt = {r["prompt"]: r for r in sampled}
+            pairs = [(label, rule) for x in examples
+                     for label, rule in zip(x.labels, task.step_labeller(by_prompt[x.prompt], list(x.steps)))]
+            stats["agreement_with_rule_labels"] = sum(a == b for a, b in pairs) / max(1, len(pairs))
+            stats["wrong_steps_by_rule"] = sum(not b for _, b in pairs)
+        write_jsonl(Path(out), [example_record(x) for x in examples])
+        (run_dir / "label_steps_stats.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats, indent=2))
+    print(f"wrote {len(examples)} step-labelled solutions to {out}")
+    return stats
+
+
+def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_mode: str = NEW) -> Path:
+    """Train an outcome (Bradley-Terry) or process (per-step BCE) reward model, initialised from
+    model.name_or_path (or a fresh tiny model), on `data` or on the policy's own graded samples.
+    Saves output_dir/reward_model in Hugging Face format with its held-out accuracy."""
+    if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
+        config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
+    rm = config.reward_model
+    examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
+                                     config.seed, rm.max_pairs_per_prompt) if data else None  # before the run starts
+    with run_lock(config.output_dir, run_dir_mode):
+        run_dir = start_run(config)
+        policy, tokenizer = load_policy(config)
+        task = task_for(config)
+        rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer) if not data else []
+        model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows],
+                                      step_prefixes=_labels_from_rollouts(config))
+        engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len)
+        stage = reward_model_stage(config, task, policy, tokenizer, rows, run_dir, progress, engine=engine)
+        if examples is None:
+            metrics = stage.train_round(policy, 0)
+        else:
+            train, heldout = split_by_prompt(examples, rm.heldout_fraction, config.seed)
+            losses = fit_reward_model(stage.scorer, train, rm, seed=config.seed, progress=progress)
+            metrics = {"round": 0, "new_examples": len(train), "heldout_examples": len(heldout),
+                       "final_loss": losses[-1], **evaluate_reward_model(stage.scorer, heldout)}
+        del policy, engine
+        path = stage.save(run_dir / "reward_model", metrics)
+    print(json.dumps(metrics, indent=2))
+    print(f"saved {path} ({rm.kind} reward model)")
+    return path

@@ -1,0 +1,135 @@
+"""The building blocks every entry point shares: seeding, the run directory, rewards from the
+config, the policy, the rollout engine, the trainer and the reward model. stages.py composes them."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from grpokit.config import Config, ConfigError, save_config, to_dict
+from grpokit.loggers import make_loggers
+from grpokit.data import arithmetic
+from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
+from grpokit.models.loading import resolve_device
+from grpokit.models.precision import resolve_precision, set_compute_dtype
+from grpokit.rewards import WeightedReward
+from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
+from grpokit.rewards.registry import reward_function
+from grpokit.rewards.scoring import row_columns, score_completions
+from grpokit.rollout import make_engine
+from grpokit.tasks import Task
+from grpokit.train.grpo import GRPOTrainer
+from grpokit.train.iterative import RewardModelStage
+from grpokit.train.ppo import PPOTrainer
+from grpokit.train.reward_model import new_scorer
+
+ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+# Per-run logs a fresh (not resumed) run starts without.
+RUN_LOGS = ("metrics.jsonl", "reward_model_metrics.jsonl", "replay_buffer.jsonl")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_rewards(config: Config, tokenizer=None) -> list[WeightedReward]:
+    """The configured rewards; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
+    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
+            for r in config.rewards]
+
+
+def load_policy(config: Config, path: str | None = None, trainable: bool = True):
+    """(model, tokenizer): `path` or model.name_or_path through the hub loader, or a fresh tiny model.
+    A `trainable` model holds its weights in model.master_dtype, a frozen one in model.dtype; both
+    compute in model.dtype (models/precision.py)."""
+    m = config.model
+    master = m.master_dtype if trainable else "same"
+    if path or m.name_or_path:
+        return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
+                                        m.trust_remote_code, master_dtype=master)
+    t = m.tiny
+    alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
+    tokenizer = build_char_tokenizer(alphabets[t.alphabet])
+    model = build_tiny_model(tokenizer, t.architecture, t.hidden_size, t.num_layers, t.num_heads,
+                             t.intermediate_size, seed=config.seed)
+    device = resolve_device(m.device)
+    precision = resolve_precision(m.dtype, master, device)
+    return set_compute_dtype(model.to(device=device, dtype=precision.master), precision.compute), tokenizer
+
+
+def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
+    """Create the run directory, save config.yaml, seed everything; a `fresh` run drops the
+    per-run logs an earlier run left there. `write`=False (ranks other than 0) only seeds."""
+    run_dir = Path(config.output_dir)
+    if not write:
+        seed_everything(config.seed)
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        for stale in RUN_LOGS:
+            (run_dir / stale).unlink(missing_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    seed_everything(config.seed)
+    return run_dir
+
+
+def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Path, progress: bool = True,
+                 ref_model=None, reward_scorer=None, engine=None):
+    """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline. An
+    outcome `reward_scorer` joins the rewards by weight; a process one gives process supervision."""
+    rewards = build_rewards(config, tokenizer)
+    process = None
+    if reward_scorer is not None and reward_scorer.kind == "outcome":
+        rewards.append(WeightedReward("reward_model", reward_scorer, config.reward_model.weight, None))
+    elif reward_scorer is not None:
+        process = reward_scorer
+    engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
+    logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
+    common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
+                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged)
+    if config.algo == "ppo":
+        return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
+    return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)
+
+
+def verifier(config: Config, task: Task, tokenizer=None):
+    """grade(rows, completions) -> [bool]: the rule that labels reward-model data. The configured
+    rule-based rewards when there are any (correct = weighted sum > 0.5), else the task's own rule."""
+    if not config.rewards:
+        return task.grade
+    rewards = build_rewards(config, tokenizer)
+
+    def grade(rows: list[dict], completions: list[str]) -> list[bool]:
+        result = score_completions(rewards, [r["prompt"] for r in rows], completions, row_columns(rows))
+        return [bool(ok) and float(t) > 0.5 for t, ok in zip(result.total, result.valid)]
+
+    return grade
+
+
+def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list[dict], run_dir: Path,
+                       progress: bool = True, path: str | None = None, engine=None) -> RewardModelStage:
+    """The reward model config.reward_model names, wrapped for training and scoring: loaded from
+    `path` (default reward_model.path), or new from the policy's backbone (then untrained)."""
+    rm = config.reward_model
+    path = rm.path if path is None else path
+    if path:
+        retrained = config.iterative.iterations > 1  # iterative GRPO trains it on: fp32 master weights
+        model, rm_tokenizer, info = load_reward_model(path, rm.device, config.model.dtype,
+                                                      config.model.master_dtype if retrained else "same")
+        if info.kind != rm.kind:
+            raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+            print("grpokit: the reward model's tokenizer differs from the policy's; it reads completions as text, "
+                  "re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
+        scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
+    else:
+        model = new_reward_model(policy, tokenizer, rm.kind).to(resolve_device(rm.device))
+        scorer = new_scorer(model, tokenizer, rm.kind, rm)
+    shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
+    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
+                            config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
+                            hard_negative=task.hard_negative)

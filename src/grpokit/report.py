@@ -1,0 +1,95 @@
+"""What a run reports: the before/after table of held-out accuracy (and its TIR form), written
+to results.md with the reward curve, the summary's results, and the line of each stage's time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpokit import distributed
+from grpokit.config import Config
+from grpokit.eval.plots import plot_reward_curve
+from grpokit.metrics import read_metrics
+
+
+STAGES = (("sft_seconds", "sft"), ("eval_before_seconds", "eval before"), ("reward_model_seconds", "reward model"),
+          ("rl_seconds", None), ("eval_after_seconds", "eval after"))
+
+
+def stage_times(summary: dict, algo: str) -> str:
+    """One line of each stage's wall time in `summary` and the remainder (loading, saving)."""
+    parts = [(name or algo, summary[key]) for key, name in STAGES if key in summary]
+    other = summary["wall_seconds"] - sum(seconds for _, seconds in parts)
+    return "stage times: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in [*parts, ("other", other)]) \
+        + f"; total {summary['wall_seconds']:.0f}s"
+
+
+def format_table(task, before, after, algo: str = "grpo") -> str:
+    """The before/after table of held-out accuracy (and the task's own rates)."""
+    k, name = after.k, algo.upper()
+    rates = [(key, task.report(before)[key] if before else None, value) for key, value in task.report(after).items()]
+    rows = [("greedy accuracy", before and before.greedy_accuracy, after.greedy_accuracy),
+            (f"pass@{k}", before and before.pass_at_k, after.pass_at_k),
+            (f"maj@{k}", before and before.maj_at_k, after.maj_at_k), *rates]
+    lines = [f"held-out questions: {after.num_questions}", f"{'metric':<16} {'before':>7} {name:>7} {'change':>8}"]
+    for label, b, a in rows:
+        change = f"{100 * (a - b):>+7.1f}pt" if b is not None else f"{'':>9}"
+        lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} {a:>7.1%} {change}")
+    if after.tir is not None:
+        lines += ["", tir_table(before, after, algo)]
+    return "\n".join(lines)
+
+
+def tir_table(before, after, algo: str = "grpo") -> str:
+    """DeepSeekMath's Table 5 in miniature: greedy accuracy with chain-of-thought and with
+    tool-integrated reasoning, before and after RL (which trained on CoT prompts only)."""
+    lines = [f"greedy accuracy  {'CoT':>7} {'TIR':>7}"]
+    has_before = before is not None and before.tir is not None
+    if has_before:
+        lines.append(f"{'pi_SFT':<16} {before.greedy_accuracy:>7.1%} {before.tir.greedy_accuracy:>7.1%}")
+    lines.append(f"{algo.upper():<16} {after.greedy_accuracy:>7.1%} {after.tir.greedy_accuracy:>7.1%}")
+    if has_before:
+        cot, tir = after.greedy_accuracy - before.greedy_accuracy, after.tir.greedy_accuracy - before.tir.greedy_accuracy
+        lines.append(f"{'change':<16} {f'{100 * cot:+.1f}pt':>7} {f'{100 * tir:+.1f}pt':>7}")
+    return "\n".join(lines)
+
+
+def report_results(config: Config, task, run_dir: Path, history: list[dict], before, after) -> dict:
+    """Print and write the before/after table and the reward curve (of every step the run logged,
+    before a resume too); the summary's results."""
+    logged = run_dir / "metrics.jsonl"
+    history = (read_metrics(logged) if logged.is_file() else []) or history
+    table = format_table(task, before, after, config.algo)
+    print(table)
+    if after.tir is not None:
+        tir, cot_s = after.tir, after.greedy_seconds
+        ratio = f"{tir.seconds / cot_s:.1f}x CoT greedy's {cot_s:.1f}s; " if cot_s > 0 else ""
+        print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({ratio}generation "
+              f"{tir.generate_seconds:.1f}s, {tir.programs} programs {tir.tool_seconds:.1f}s)")
+    print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
+    if distributed.is_main():  # every process evaluated the same questions; one writes
+        (run_dir / "results.md").write_text(table + "\n")
+        plot_reward_curve(history, run_dir / "reward_curve.png",
+                          title=f"grpokit {config.algo.upper()} (seed {config.seed})",
+                          baseline=before.greedy_accuracy if before else None, final=after.greedy_accuracy)
+    refreshes = run_dir / "reward_model_metrics.jsonl"
+    rm_rounds = [json.loads(line) for line in refreshes.read_text().splitlines()] if refreshes.is_file() else []
+    out = {
+        "reward": "rule" if config.reward_model.kind == "none" else "model",
+        "supervision": "process" if config.reward_model.kind == "process" else "outcome",
+        "iterations": config.iterative.iterations,
+        "reward_model": next((r for r in rm_rounds if r.get("round", 0) == 0), None),
+        "reward_model_refreshes": [r for r in rm_rounds if r.get("round", 0) > 0],
+        "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
+        **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
+    }
+    if after.tir is not None:
+        out["grpo_tir_accuracy"] = after.tir.greedy_accuracy
+    if before is not None and before.tir is not None and after.tir is not None:
+        out.update(sft_tir_accuracy=before.tir.greedy_accuracy,
+                   tir_improvement_points=100 * (after.tir.greedy_accuracy - before.tir.greedy_accuracy))
+    if before is not None:
+        out.update({"sft_accuracy": before.greedy_accuracy, "sft": before.as_dict(),
+                    "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
+                    **{f"sft_{key.replace(' ', '_')}": value for key, value in task.report(before).items()}})
+    return out
