@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from grpokit.checkpoint import CheckpointError, CheckpointManager
 from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig, load_config
 from grpokit.data.files import DatasetError, read_file_records
@@ -220,8 +222,6 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
                    kv_cache_gb: float = 1.0, question_column: str = "", answer_column: str = "",
                    progress: bool = True, skip_malformed: bool = False) -> dict:
     """Generate, score and write everything for every dataset x mode; returns results.json's content."""
-    import torch
-
     # before any model loads
     benchmarks = load_benchmarks(data, max_rows, question_column, answer_column, skip_malformed)
     out = writable_output_dir(out_dir)

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from grpokit.checkpoint import CheckpointError
 from grpokit.config import Config
 from grpokit.data.files import DatasetError
@@ -145,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         _check_numbers(args)
         settings = EvalSettings(args.max_new_tokens or 0, args.max_tool_calls, args.k, args.temperature if args.k else 0.0,
                                 args.seed, args.batch_size or 0, args.tool_timeout, args.max_model_len)
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
         results = run_evaluation(args.model, args.data, args.output_dir, _modes(args.mode), settings, args.engine,
                                  args.max_rows, args.device, args.dtype, args.kv_cache_gb, args.question_column,

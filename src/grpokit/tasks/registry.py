@@ -4,6 +4,8 @@ also name its own task class by import path, 'package.module:ClassName', as it c
 
 from __future__ import annotations
 
+from grpokit.rewards.registry import import_user_module, unknown_name
+
 TASKS: dict[str, type] = {}
 
 
@@ -25,7 +27,9 @@ def register_task(name: str):
 
 def task_names() -> list[str]:
     """The names task.name takes without an import path ("auto" picks one of them)."""
-    import grpokit.tasks  # noqa: F401  (imports every task module, which registers itself)
+    # every task module, which registers itself; imported on use: grpokit.config loads this module,
+    # and the task modules import grpokit.config
+    import grpokit.tasks  # noqa: F401
 
     return sorted(TASKS)
 
@@ -33,8 +37,6 @@ def task_names() -> list[str]:
 def task_class(name: str) -> type:
     """A registered task's class, or the class an import path 'package.module:ClassName' names;
     ValueError, naming the registered tasks, when neither."""
-    from grpokit.rewards.registry import import_user_module, unknown_name
-
     names = task_names()
     if name in TASKS:
         return TASKS[name]
@@ -52,7 +54,7 @@ def task_class(name: str) -> type:
 
 def _missing_members(cls: type) -> list[str]:
     """The members of the Task protocol that `cls` does not define."""
-    from grpokit.tasks.base import Task
+    from grpokit.tasks.base import Task  # on use, as grpokit.tasks above: it imports grpokit.config
 
     members = {*Task.__annotations__, *(n for n, v in vars(Task).items() if callable(v) and not n.startswith("_"))}
     return sorted(m for m in members if not hasattr(cls, m))
