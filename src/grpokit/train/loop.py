@@ -394,7 +394,7 @@ class Trainer:
             # the correction's own shares: tis is_capped_frac, icepop is_dropped_frac, ...
             sums.update({f"rollout/{k}": v * tokens for k, v in stats.items() if k.startswith("is_")})
             if entropy is not None:
-                cm = rollout.completion_mask[micro].to(entropy.dtype)
+                cm = rollout.policy_mask[micro].to(entropy.dtype)
                 sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
             return loss, sums
 
@@ -416,10 +416,12 @@ class Trainer:
         return out
 
     def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
-        """(the rollout moved to the policy's device, the loss mask there): completion tokens of
-        samples whose reward is valid, without truncated ones if grpo.mask_truncated_completions."""
+        """(the rollout moved to the policy's device, the loss mask there): the tokens the policy
+        sampled (Rollout.policy_mask: tool output left out) of samples whose reward is valid,
+        without truncated ones if grpo.mask_truncated_completions. Every count and term of the
+        update reads this mask."""
         rollout = rollout.to(self.device)
-        loss_mask = rollout.completion_mask * result.valid.to(self.device).unsqueeze(1)
+        loss_mask = rollout.policy_mask * result.valid.to(self.device).unsqueeze(1)
         if self.config.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         return rollout, loss_mask
