@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
+from grpokit import distributed
 from grpokit.config import GRPOConfig
 from grpokit.data import arithmetic
 from grpokit.math import grpo_loss, loss_denominator
@@ -238,7 +239,7 @@ def test_the_trainer_scores_the_rollouts_tokens_with_tool_output_as_context(two_
     assert torch.isfinite(loss)
 
 
-def test_ppo_puts_the_outcome_reward_on_the_last_policy_token(two_rounds):
+def test_ppo_puts_the_outcome_reward_on_the_last_policy_token():
     mask = torch.tensor([[1, 1, 0, 0, 1, 0]])  # a tool segment between policy tokens, then padding
     rewards = shaped_token_rewards(torch.tensor([3.0]), torch.zeros(1, 6), None, mask, beta=0.0)
     assert rewards.tolist() == [[0, 0, 0, 0, 3.0, 0]]
@@ -321,11 +322,14 @@ def test_round_seeds():
     assert len(set(later)) == 2 and later != [5, 6] and later != round_seeds([5, 6], 2)
 
 
-def test_an_engine_without_token_continuation_is_refused(tir_tokenizer):
+def test_an_engine_without_token_continuation_is_refused(tir_tokenizer, monkeypatch):
     with pytest.raises(ValueError, match="cannot continue from token ids"):
         multi_turn_rollout(SimpleNamespace(), tir_tokenizer, ["Q"], 1, SamplingParams(8), Calculator())
     with pytest.raises(ValueError, match="max_tool_calls"):
         ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator(), max_tool_calls=0)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(NotImplementedError, match="one process for now"):
+        ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator())
 
 
 # --- (e), (f): transformers' generate on a tiny model, the sandbox, the calculator ---------------
@@ -389,4 +393,6 @@ def test_hf_multi_turn_rollout_with_the_calculator_and_a_training_step(tool_mode
     trainer.engine, trainer.dataset = engine, [{"prompt": CALCULATION[0]}]
     record = trainer.step()
     assert engine.last.rollout.sampled_mask is not None and math.isfinite(record["loss"])
-    assert engine.last.metrics()["tool/calls_mean"] >= 0
+    assert record["tool/calls_mean"] == engine.last.metrics()["tool/calls_mean"]
+    assert record["tool/stop_answer_frac"] + record["tool/stop_length_frac"] + record["tool/stop_tool_limit_frac"] \
+        + record["tool/stop_no_program_frac"] + record["tool/stop_tool_error_frac"] == pytest.approx(1.0)

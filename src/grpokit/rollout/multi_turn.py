@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit import distributed
 from grpokit.rollout.sampler import SamplingParams, assemble_rollout, left_padded
 from grpokit.tools import Tool, ToolOutput, appended_text, run_calls, stopped_at
 from grpokit.types import Rollout
@@ -102,6 +103,11 @@ def tool_segment(tokenizer, text: str) -> list[int]:
 
 
 def _check_engine(engine) -> None:
+    if distributed.world_size() > 1:
+        # A sharded policy's generate calls are collectives (sampler.sample_ids), and the number of
+        # rounds differs between processes: they would wait on each other forever.
+        raise NotImplementedError("multi-turn tool rollouts run in one process for now; "
+                                  f"this run has {distributed.world_size()}")
     if not hasattr(engine, "continue_ids"):
         raise ValueError(f"the rollout engine {type(engine).__name__} cannot continue from token ids "
                          "(continue_ids); multi-turn tool rollouts need one that can, such as `hf`")
@@ -202,7 +208,8 @@ class ToolEngine:
     """A RolloutEngine whose `generate` is a multi-turn rollout with `tool` on `engine` (which must
     offer continue_ids): what the training loop calls unchanged, through engine.generate(prompts,
     G, params, rows, seeds). Weight syncs and memory go to the wrapped engine; the last batch's
-    ToolRollout (stop reasons, tool outputs, metrics()) stays in `last`."""
+    ToolRollout (stop reasons, tool outputs, metrics()) stays in `last`, and rollout_metrics() is
+    what the loop logs of it."""
 
     def __init__(self, engine, tokenizer, tool: Tool, max_tool_calls: int = 4):
         _check_engine(engine)
@@ -218,6 +225,10 @@ class ToolEngine:
         self.last = multi_turn_rollout(self.engine, self.tokenizer, prompts, num_generations, params, self.tool,
                                        self.max_tool_calls, rows, seeds)
         return self.last.rollout
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last batch's tool/* numbers (ToolRollout.metrics), which the training loop logs."""
+        return self.last.metrics() if self.last is not None else {}
 
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         self.engine.sync_weights(model, state_dict)

@@ -328,7 +328,7 @@ class Trainer:
             timings["perf/scoring_time_s"] += time.perf_counter() - t
             rounds, sampled = rounds + 1, sampled + len(rows) * self.world_size
             if not cfg.dynamic_sampling:
-                return rollout, result, {}
+                return rollout, result, self._engine_metrics()
             spread = groups_with_spread(result.total, result.valid, g)
             parts.append((rollout, result, spread.repeat_interleave(g).nonzero().flatten()))
             kept += int(spread.sum())
@@ -341,7 +341,12 @@ class Trainer:
         rollout = Rollout.cat([r.take(rows) for r, _, rows in parts], self.tokenizer.pad_token_id)
         result = RewardResult.cat([res.take(rows) for _, res, rows in parts])
         return rollout, result, {"sampling/groups_sampled": sampled, "sampling/groups_dropped": sampled - kept,
-                                 "sampling/rounds": rounds}
+                                 "sampling/rounds": rounds, **self._engine_metrics()}
+
+    def _engine_metrics(self) -> dict:
+        """What the engine reports of its last batch (a ToolEngine's tool/* numbers), else nothing."""
+        report = getattr(self.engine, "rollout_metrics", None)
+        return report() if report is not None else {}
 
     def _score_steps(self, rollout: Rollout, result: RewardResult) -> None:
         """Process supervision: the process reward model scores each completion's steps into
