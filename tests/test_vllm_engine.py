@@ -365,3 +365,61 @@ def test_an_engine_loads_the_policys_own_directory_without_a_copy(trained_policy
     finally:
         engine.close()
     assert (tmp_path / "policy" / "model.safetensors").is_file()  # closing leaves the policy's files alone
+
+
+def test_multi_turn_tool_rollouts_continue_from_token_ids_as_with_transformers():
+    """Greedy multi-turn rollouts with a tool on vLLM (TokensPrompt on the ids so far) and on
+    transformers' generate: the same ids, masks and stop reasons; vLLM's log-probs of the sampled
+    tokens are the trainer's, and 0 on the tool's."""
+    from grpokit.rollout import HFEngine, multi_turn_rollout
+    from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.stages import ASCII_ALPHABET
+    from grpokit.tools import ToolOutput
+
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    prompts = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
+    texts = [p + "so the sum is 3; ok" for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)
+    model = _policy(tokenizer, seed=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    engine = VLLMEngine(copy.deepcopy(model), tokenizer, max_model_len=64, kv_cache_gb=0.0625)
+    try:
+        free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, temperature=0.0))
+        text = free.completions[0]
+        stop = next(
+            text[k : k + 2] for k in range(2, len(text) - 1)
+            if all((p[-1] + c).find(text[k : k + 2]) != 0 for p, c in zip(prompts, free.completions))
+        )
+
+        class Marker:
+            """Answers every call with "#" (a character the policy was not taught)."""
+
+            name, instruction = "marker", ""
+
+            def __init__(self, stop):
+                self.stop = stop
+
+            def parse(self, completion):
+                return completion
+
+            def run(self, calls):
+                return [ToolOutput("#") for _ in calls]
+
+        params = SamplingParams(24, temperature=0.0)
+        expected = multi_turn_rollout(HFEngine(model, tokenizer), tokenizer, prompts, 1, params, Marker(stop), 2)
+        got = multi_turn_rollout(engine, tokenizer, prompts, 1, params, Marker(stop), 2)
+        _assert_same_rollout(expected.rollout, got.rollout)
+        assert torch.equal(got.rollout.sampled_mask, expected.rollout.sampled_mask)
+        assert got.stop_reasons == expected.stop_reasons and got.tool_calls[0] >= 1
+        ro, sampled = got.rollout, got.rollout.policy_mask.bool()
+        reference, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_length, 1.0)
+        torch.testing.assert_close(ro.sampling_logp[sampled], reference[sampled].detach(), atol=1e-4, rtol=0)
+        assert (ro.sampling_logp[~sampled] == 0).all()
+    finally:
+        engine.close()

@@ -45,12 +45,17 @@ STOP_REASONS = ("answer", "length", "tool_limit", "no_program", "tool_error")
 class _Completion:
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # 1 per sampled token, 0 per tool-output token
+    logp: list[float] | None = field(default_factory=list)  # the engine's, 0 on tool output; None: unreported
     outputs: list[ToolOutput] = field(default_factory=list)
     reason: str = ""
 
-    def extend(self, ids: list[int], sampled: bool) -> None:
+    def extend(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
         self.ids += ids
         self.sampled += [int(sampled)] * len(ids)
+        if self.logp is not None and sampled and logp is None:
+            self.logp = None
+        elif self.logp is not None:
+            self.logp += logp[: len(ids)] if sampled else [0.0] * len(ids)
 
 
 @dataclass
@@ -148,7 +153,7 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
         calls: list[tuple[int, str, str]] = []  # (completion, call, overhang after the stop string)
         for i, continuation in zip(active, continuations, strict=True):
             completion = completions[i]
-            completion.extend(continuation.ids, sampled=True)
+            completion.extend(continuation.ids, sampled=True, logp=continuation.logp)
             if continuation.finish == "length":
                 completion.reason = "length"
                 continue
@@ -189,19 +194,23 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
 def _assemble(tokenizer, prompts: list[str], num_generations: int, prompt_ids: list[list[int]],
               completions: list[_Completion], rows: list[dict] | None) -> Rollout:
     """The Rollout of the completions' token ids: completion_mask on every completion token,
-    sampled_mask on the sampled ones."""
+    sampled_mask on the sampled ones, sampling_logp where the engine reported every sampled token's."""
     width = max(1, max(len(c.ids) for c in completions))
     completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
     sampled_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    with_logp = all(c.logp is not None for c in completions)
+    sampling_logp = torch.zeros((len(completions), width), dtype=torch.float32) if with_logp else None
     for row, c in enumerate(completions):
         completion_ids[row, : len(c.ids)] = torch.tensor(c.ids, dtype=torch.long)
         completion_mask[row, : len(c.ids)] = 1
         sampled_mask[row, : len(c.ids)] = torch.tensor(c.sampled, dtype=torch.long)
+        if sampling_logp is not None:
+            sampling_logp[row, : len(c.ids)] = torch.tensor(c.logp, dtype=torch.float32)
     truncated = torch.tensor([c.reason == "length" for c in completions])
     ids, mask = left_padded(prompt_ids, tokenizer.pad_token_id)
     return assemble_rollout(tokenizer, prompts, num_generations, ids, mask, completion_ids, completion_mask,
-                            truncated, rows, sampled_mask=sampled_mask)
+                            truncated, rows, sampling_logp, sampled_mask)
 
 
 class ToolEngine:

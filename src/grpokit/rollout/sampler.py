@@ -188,10 +188,12 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
 @dataclass(frozen=True)
 class Continuation:
     """What one context's sampling added: the sampled token ids, and why it ended: "eos" (the
-    last id is an EOS), "stop" (the last id completes one of params.stop) or "length" (its budget)."""
+    last id is an EOS), "stop" (the last id completes one of params.stop) or "length" (its budget).
+    logp: each sampled id's log-prob under the engine that sampled it, where the engine reports it."""
 
     ids: list[int]
     finish: str
+    logp: list[float] | None = None
 
 
 def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
