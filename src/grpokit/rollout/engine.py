@@ -26,6 +26,9 @@ class RolloutEngine(Protocol):
 
     copies_weights: bool  # holds its own copy of the weights, so each update must be pushed to it
 
+    # Optional: continue_ids(contexts, budgets, params, seeds) -> list[Continuation], one continuation
+    # of each token-id context, which multi-turn tool rollouts need (rollout/multi_turn.py).
+
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         """Load `model`'s current weights (or `state_dict`, named as in `model`) into the engine."""
 

@@ -16,7 +16,8 @@ completion, tool output included: a segment that does not fit is cut and the com
 counts as truncated.
 
 An engine takes part by offering `continue_ids(contexts, budgets, params, seeds)` (HFEngine:
-transformers' generate on the ids); each request's seed is the one the engine gets for a
+transformers' generate on the ids; VLLMEngine: TokensPrompt, with the sampled tokens' log-probs,
+which become the Rollout's sampling_logp, 0 on tool output); each request's seed is the one the engine gets for a
 single-turn completion (rollout/engine.py, request_seeds) in the first round, and one derived
 from it and the round after that.
 """
