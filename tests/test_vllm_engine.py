@@ -252,17 +252,16 @@ def test_missing_vllm_names_the_install_commands(policy, tokenizer, monkeypatch)
         VLLMEngine(policy, tokenizer, max_model_len=128)
 
 
-def test_stop_strings_end_completions_as_sample_groups_does():
-    """Greedy with stop strings: the same rows as transformers' stop_strings (the stop kept at
-    the end of the text, the mask ending on its last token, not truncated); seeded sampling
-    with a stop string is the unstopped sample cut after the stop."""
-    from grpokit.rollout.vllm import VLLMEngine
+TEXT_PROMPTS = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
+
+
+def _text_policy():
+    """A printable-ASCII tokenizer (transformers' stop_strings need letters) and a policy a few steps
+    toward varied text without EOS after TEXT_PROMPTS, so greedy decoding writes more than one character."""
     from grpokit.build import ASCII_ALPHABET
 
-    tokenizer = build_char_tokenizer(ASCII_ALPHABET)  # transformers' stop_strings need letters
-    prompts = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
-    # A few steps toward varied text without EOS, so greedy decoding writes more than one character.
-    texts = [p + "so the sum is 3; ok" for p in prompts]
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    texts = [p + "so the sum is 3; ok" for p in TEXT_PROMPTS]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     labels = torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)
     model = _policy(tokenizer, seed=1)
@@ -272,41 +271,56 @@ def test_stop_strings_end_completions_as_sample_groups_does():
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-    engine = VLLMEngine(copy.deepcopy(model), tokenizer, max_model_len=64, kv_cache_gb=0.0625)
-    try:
-        free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, temperature=0.0))
-        # A stop from the first completion that, in every row, first appears wholly inside the
-        # completion: vLLM never looks across the prompt boundary, transformers does.
-        text = free.completions[0]
-        stop = next(
-            text[k : k + 2] for k in range(2, len(text) - 1)
-            if all((p[-1] + c).find(text[k : k + 2]) != 0 for p, c in zip(prompts, free.completions))
-        )
-        stops = (stop, "never written: ~~~")
-        expected = sample_groups(model, tokenizer, prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
-        got = engine.generate(prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
-        _assert_same_rollout(expected, got)
-        assert got.completions[0].endswith(stop) and not got.truncated[0]
-        assert int(got.completion_mask[0].sum()) < int(free.completion_mask[0].sum())
+    return tokenizer, model
 
-        sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
-        seeds = [5, 6, 7]
-        unstopped = engine.generate(prompts, 1, sampling, seeds=seeds)
-        stop = unstopped.completions[1][4:6]
-        stopped = engine.generate(prompts, 1, SamplingParams(24, temperature=1.0, stop=(stop,)), seeds=seeds)
-        for row, full in enumerate(unstopped.completions):
-            at = full.find(stop)
-            # One character per token before any EOS; a row without the stop is left as it was.
-            end = int(unstopped.completion_mask[row].sum()) if at < 0 else at + len(stop)
-            assert stopped.completions[row] == (full if at < 0 else full[:end])
-            assert bool(stopped.truncated[row]) == (at < 0 and bool(unstopped.truncated[row]))
-            kept = stopped.completion_mask[row].bool()
-            assert int(kept.sum()) == end
-            assert torch.equal(stopped.completion_ids[row][kept], unstopped.completion_ids[row, :end])
-            torch.testing.assert_close(stopped.sampling_logp[row][kept], unstopped.sampling_logp[row, :end])
-        assert not stopped.truncated[1]
-    finally:
-        engine.close()
+
+@pytest.fixture
+def text_engine():
+    """(tokenizer, policy, a vLLM engine of it, stop): _text_policy's, and two characters of the
+    first greedy completion that, in every row, first appear wholly inside the completion (vLLM
+    never looks across the prompt boundary, transformers does)."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    tokenizer, model = _text_policy()
+    engine = VLLMEngine(copy.deepcopy(model), tokenizer, max_model_len=64, kv_cache_gb=0.0625)
+    completions = engine.generate(TEXT_PROMPTS, 1, SamplingParams(max_new_tokens=24, temperature=0.0)).completions
+    text = completions[0]
+    stop = next(text[k : k + 2] for k in range(2, len(text) - 1)
+                if all((p[-1] + c).find(text[k : k + 2]) != 0 for p, c in zip(TEXT_PROMPTS, completions)))
+    yield tokenizer, model, engine, stop
+    engine.close()  # each test's own: closing any engine takes vLLM's process-wide state down with it
+
+
+def test_stop_strings_end_completions_as_sample_groups_does(text_engine):
+    """Greedy with stop strings: the same rows as transformers' stop_strings (the stop kept at
+    the end of the text, the mask ending on its last token, not truncated); seeded sampling
+    with a stop string is the unstopped sample cut after the stop."""
+    tokenizer, model, engine, stop = text_engine
+    prompts = TEXT_PROMPTS
+    free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, temperature=0.0))
+    stops = (stop, "never written: ~~~")
+    expected = sample_groups(model, tokenizer, prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
+    got = engine.generate(prompts, 1, SamplingParams(24, temperature=0.0, stop=stops))
+    _assert_same_rollout(expected, got)
+    assert got.completions[0].endswith(stop) and not got.truncated[0]
+    assert int(got.completion_mask[0].sum()) < int(free.completion_mask[0].sum())
+
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    seeds = [5, 6, 7]
+    unstopped = engine.generate(prompts, 1, sampling, seeds=seeds)
+    stop = unstopped.completions[1][4:6]
+    stopped = engine.generate(prompts, 1, SamplingParams(24, temperature=1.0, stop=(stop,)), seeds=seeds)
+    for row, full in enumerate(unstopped.completions):
+        at = full.find(stop)
+        # One character per token before any EOS; a row without the stop is left as it was.
+        end = int(unstopped.completion_mask[row].sum()) if at < 0 else at + len(stop)
+        assert stopped.completions[row] == (full if at < 0 else full[:end])
+        assert bool(stopped.truncated[row]) == (at < 0 and bool(unstopped.truncated[row]))
+        kept = stopped.completion_mask[row].bool()
+        assert int(kept.sum()) == end
+        assert torch.equal(stopped.completion_ids[row][kept], unstopped.completion_ids[row, :end])
+        torch.testing.assert_close(stopped.sampling_logp[row][kept], unstopped.sampling_logp[row, :end])
+    assert not stopped.truncated[1]
 
 
 def test_after_five_grpo_updates_through_the_engine_its_greedy_completions_equal_generates(
@@ -365,3 +379,38 @@ def test_an_engine_loads_the_policys_own_directory_without_a_copy(trained_policy
     finally:
         engine.close()
     assert (tmp_path / "policy" / "model.safetensors").is_file()  # closing leaves the policy's files alone
+
+
+def test_multi_turn_tool_rollouts_continue_from_token_ids_as_with_transformers(text_engine):
+    """Greedy multi-turn rollouts with a tool on vLLM (TokensPrompt on the ids so far) and on
+    transformers' generate: the same ids, masks and stop reasons; vLLM's log-probs of the sampled
+    tokens are the trainer's, and 0 on the tool's."""
+    from grpokit.rollout import HFEngine, multi_turn_rollout
+    from grpokit.tools import ToolOutput
+
+    tokenizer, model, engine, stop = text_engine
+
+    class Marker:
+        """Answers every call with "#" (a character the policy was not taught)."""
+
+        name, instruction = "marker", ""
+
+        def __init__(self, stop):
+            self.stop = stop
+
+        def parse(self, completion):
+            return completion
+
+        def run(self, calls):
+            return [ToolOutput("#") for _ in calls]
+
+    params = SamplingParams(24, temperature=0.0)
+    expected = multi_turn_rollout(HFEngine(model, tokenizer), tokenizer, TEXT_PROMPTS, 1, params, Marker(stop), 2)
+    got = multi_turn_rollout(engine, tokenizer, TEXT_PROMPTS, 1, params, Marker(stop), 2)
+    _assert_same_rollout(expected.rollout, got.rollout)
+    assert torch.equal(got.rollout.sampled_mask, expected.rollout.sampled_mask)
+    assert got.stop_reasons == expected.stop_reasons and got.tool_calls[0] >= 1
+    ro, sampled = got.rollout, got.rollout.policy_mask.bool()
+    reference, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_length, 1.0)
+    torch.testing.assert_close(ro.sampling_logp[sampled], reference[sampled].detach(), atol=1e-4, rtol=0)
+    assert (ro.sampling_logp[~sampled] == 0).all()

@@ -149,6 +149,7 @@ class SandboxResult:
     returncode: the exit status; -N for signal N; None when it timed out.
     stderr: its standard error, capped like stdout (the whole traceback, for a log).
     stdout_truncated: True when the middle of stdout was cut.
+    seconds: wall time from its start to its end (or its kill).
     """
 
     stdout: str
@@ -158,6 +159,7 @@ class SandboxResult:
     returncode: int | None = None
     stderr: str = ""
     stdout_truncated: bool = False
+    seconds: float = 0.0
 
 
 class _Capture:
@@ -325,6 +327,7 @@ def _run(code: str, timeout_s: float, memory_mb: int, *, disk_mb: int, output_li
          max_processes: int, launcher: list[str] | None) -> SandboxResult:
     """Run `code` in namespaces with `launcher`, or without them when it is None."""
     isolate = launcher is not None
+    started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="grpokit-sandbox-")
     try:
         program = os.path.join(workdir, "main.py")
@@ -359,6 +362,7 @@ def _run(code: str, timeout_s: float, memory_mb: int, *, disk_mb: int, output_li
         returncode=None if timed_out else returncode,
         stderr=stderr.text(),
         stdout_truncated=stdout.truncated,
+        seconds=time.monotonic() - started,
     )
 
 

@@ -54,6 +54,16 @@ class Rollout:
         return self.input_ids[:, self.prompt_length :]
 
     @property
+    def policy_mask(self) -> torch.Tensor:
+        """[N, T] the completion tokens the policy sampled: completion_mask * sampled_mask, or
+        completion_mask when sampled_mask is None. The one mask every loss term, KL, entropy,
+        importance weight and length normalisation reads; tool output (sampled_mask 0) is
+        context only (docs/algorithm.md, "Tool output in the loss")."""
+        if self.sampled_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.sampled_mask.to(self.completion_mask.dtype)
+
+    @property
     def completion_lengths(self) -> torch.Tensor:
         """[N] number of completion tokens, EOS included."""
         return self.completion_mask.sum(dim=1)

@@ -1,30 +1,15 @@
 """Chain-of-thought and tool-integrated reasoning (TIR) prompts, as DeepSeekMath evaluates them
 (paper, Table 5), and a model-free driver for TIR rollouts.
 
-In TIR the model interleaves reasoning with ```python blocks. Generation stops at the
-string "```output"; the program runs in the sandbox, its output is appended, and the model
-continues from there:
-
-    We need 2 to the 10th power.
-    ```python
-    print(2**10)
-    ```
-    ```output
-    1024
-    ```
-    So the answer is $\\boxed{1024}$.
-
-Following DeepSeekMath's evaluation code, a program is the latest block together with the
-earlier blocks of the same completion minus their top-level print lines (variables carry
-over, old prints stay quiet); an output longer than 100 characters shows its first and last
-50; a failed program shows the last line of its traceback; a program past its deadline
-shows "Timeout Error".
+In TIR the model interleaves reasoning with ```python blocks; generation stops at "```output",
+the program runs in the sandbox and its output block is appended (the Python tool,
+grpokit/tools/python.py, which assembles programs and formats their output as DeepSeekMath's
+evaluation does). Training runs the same tool on token ids (rollout/multi_turn.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,14 +18,12 @@ from dataclasses import dataclass, field
 from grpokit.data.answers import final_answer
 from grpokit.data.templates import COT_INSTRUCTION, TIR_INSTRUCTION, instruction_text, plain_text
 from grpokit.sandbox import SandboxResult, run_many
+from grpokit.tools import appended_text, stopped_at
+# program assembly and output blocks are the Python tool's; eval and its tests read them from here too
+from grpokit.tools.python import (OUTPUT_STOP, cumulative_program, format_tool_output,  # noqa: F401
+                                  last_python_block, python_blocks, shorten, tool_output)
 
 INSTRUCTIONS = {"cot": COT_INSTRUCTION, "tir": TIR_INSTRUCTION}
-OUTPUT_STOP = "```output"
-# DeepSeekMath shows at most 100 characters of a program's output: the first and last 50.
-MAX_OUTPUT_CHARS = 100
-TIMEOUT_OUTPUT = "Timeout Error"
-
-_PYTHON_BLOCK = re.compile(r"```python(.*?)```", re.DOTALL)
 
 
 def build_prompt(question: str, mode: str) -> str:
@@ -53,70 +36,6 @@ def build_prompt(question: str, mode: str) -> str:
 def plain_chat(prompt: str) -> str:
     """DeepSeekMath's chat layout for models without a chat template (the prompt stripped)."""
     return plain_text(prompt, "user-assistant")
-
-
-def _before_stop(text: str) -> str:
-    """`text` without a trailing "```output" (and whitespace after it)."""
-    stripped = text.rstrip()
-    return stripped[: -len(OUTPUT_STOP)] if stripped.endswith(OUTPUT_STOP) else text
-
-
-def python_blocks(text: str) -> list[str]:
-    """The closed ```python blocks of `text`, stripped, empty ones left out, in order."""
-    return [b for b in (m.group(1).strip() for m in _PYTHON_BLOCK.finditer(text)) if b]
-
-
-def last_python_block(text: str) -> str | None:
-    """The last closed ```python block before a trailing "```output"; None when there is none.
-    As a rollout's `program_fn`, each block runs on its own (ToRA's choice)."""
-    blocks = python_blocks(_before_stop(text))
-    return blocks[-1] if blocks else None
-
-
-def cumulative_program(text: str) -> str | None:
-    """The program DeepSeekMath's evaluation runs for a completion that stopped at "```output".
-
-    The completion must end with a closing fence right before "```output". The program is
-    every earlier block's lines except top-level lines containing "print(" (lines that are
-    indented or start with "import" or "def " always stay), then the last block whole.
-    None when there is nothing to run.
-    """
-    text = _before_stop(text)
-    if not text.rstrip().endswith("```"):
-        return None
-    blocks = python_blocks(text)
-    if not blocks:
-        return None
-    kept = [
-        line
-        for block in blocks[:-1]
-        for line in block.split("\n")
-        if line.startswith(("    ", "import", "def ")) or "print(" not in line
-    ]
-    return "\n".join([*kept, blocks[-1]]).strip()
-
-
-def shorten(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
-    """`text` when at most `limit` characters, else its first and last limit/2 around "..."."""
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return text[:half] + "..." + text[-half:]
-
-
-def format_tool_output(result: SandboxResult) -> str:
-    """The output block the model sees: "```output\\n{shown}\\n```\\n".
-
-    shown is "Timeout Error" for a timeout, the last traceback line for a failure (what the
-    program printed before failing is dropped), else stdout; stripped and cut to 100 characters.
-    """
-    if result.timed_out:
-        shown = TIMEOUT_OUTPUT
-    elif result.error is not None:
-        shown = result.error
-    else:
-        shown = result.stdout
-    return f"{OUTPUT_STOP}\n{shorten(shown.strip()).strip()}\n```\n"
 
 
 @dataclass
@@ -142,16 +61,6 @@ class TIRTrace:
     @property
     def answer(self) -> str | None:
         return final_answer(self.completion)
-
-
-def _stopped_at_output(continuation: str) -> str | None:
-    """What follows the trailing "```output" when generation stopped there (a tokenizer's last
-    token may overhang it by whitespace), else None."""
-    at = continuation.rfind(OUTPUT_STOP)
-    if at < 0:
-        return None
-    overhang = continuation[at + len(OUTPUT_STOP) :]
-    return overhang if not overhang.strip() else None
 
 
 def tir_rollout(
@@ -185,7 +94,7 @@ def tir_rollout(
         for i, continuation in zip(active, continuations):
             trace = traces[i]
             trace.completion += continuation
-            overhang = _stopped_at_output(continuation)
+            overhang = stopped_at(continuation, OUTPUT_STOP)
             if overhang is None:
                 trace.stop_reason = "answer"
                 continue
@@ -197,9 +106,7 @@ def tir_rollout(
         results = list(run_fn([program for _, program, _ in calls])) if calls else []
         for (i, _, overhang), result in zip(calls, results, strict=True):
             trace = traces[i]
-            injected = format_tool_output(result)[len(OUTPUT_STOP) :]
-            if "\n" in overhang:  # the model already wrote the newline after "```output"
-                injected = injected[1:]
+            injected = appended_text(tool_output(result).text, overhang)
             start = len(trace.completion)
             trace.completion += injected
             trace.tool_spans.append((start, len(trace.completion)))

@@ -10,12 +10,13 @@ import pkgutil as _pkgutil
 from grpokit.rollout.engine import (HFEngine, RolloutEngine, longest_prompt_tokens, make_engine, max_model_len,
                                    request_seeds, run_max_model_len, WeightSyncError)
 from grpokit.rollout.logprobs import position_ids_for, token_logprobs
+from grpokit.rollout.multi_turn import ToolEngine, ToolRollout, multi_turn_rollout
 from grpokit.rollout.registry import ENGINES, engine_spec, register_engine
-from grpokit.rollout.sampler import SamplingParams, sample_groups
+from grpokit.rollout.sampler import Continuation, SamplingParams, sample_groups
 
 for _module in _pkgutil.iter_modules(__path__):  # engine registrations, one module each
     _importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["ENGINES", "engine_spec", "register_engine", "HFEngine", "RolloutEngine", "SamplingParams", "longest_prompt_tokens", "make_engine", "max_model_len",
+__all__ = ["Continuation", "ENGINES", "engine_spec", "register_engine", "HFEngine", "RolloutEngine", "SamplingParams", "longest_prompt_tokens", "make_engine", "max_model_len",
            "position_ids_for", "request_seeds", "run_max_model_len", "sample_groups", "token_logprobs",
-           "WeightSyncError"]
+           "ToolEngine", "ToolRollout", "multi_turn_rollout", "WeightSyncError"]

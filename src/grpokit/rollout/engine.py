@@ -14,7 +14,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout.registry import engine_spec, register_engine
-from grpokit.rollout.sampler import SamplingParams, sample_groups
+from grpokit.rollout.sampler import Continuation, SamplingParams, continue_ids, sample_groups
 from grpokit.types import Rollout
 
 
@@ -25,6 +25,9 @@ class RolloutEngine(Protocol):
         A completion ends after the first of `params.stop` it writes, the stop string kept."""
 
     copies_weights: bool  # holds its own copy of the weights, so each update must be pushed to it
+
+    # Optional: continue_ids(contexts, budgets, params, seeds) -> list[Continuation], one continuation
+    # of each token-id context, which multi-turn tool rollouts need (rollout/multi_turn.py).
 
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         """Load `model`'s current weights (or `state_dict`, named as in `model`) into the engine."""
@@ -52,6 +55,11 @@ class HFEngine:
 
     def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
         return sample_groups(self.model, self.tokenizer, prompts, num_generations, params, rows)
+
+    def continue_ids(self, contexts: list[list[int]], budgets: list[int], params: SamplingParams,
+                     seeds: list[int] | None = None) -> list[Continuation]:
+        """One continuation of each token-id context (multi-turn rollouts, rollout/multi_turn.py)."""
+        return continue_ids(self.model, self.tokenizer, contexts, budgets, params)
 
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         self.model = model

@@ -3,6 +3,7 @@ truncation flags."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,6 @@ def _check_stop_strings(tokenizer, stops: tuple[str, ...]) -> None:
                          "use a tokenizer that can write the letters a-f, or another engine") from err
 
 
-@torch.no_grad()
-@in_compute_dtype
 def sample_groups(
     model: torch.nn.Module,
     tokenizer,
@@ -119,9 +118,6 @@ def sample_groups(
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if not prompts:
         raise ValueError("sample_groups got no prompts")
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     saved_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
@@ -130,6 +126,21 @@ def sample_groups(
         tokenizer.padding_side = saved_side
     prompt_ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)
     prompt_mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)
+    completion_ids, completion_mask, truncated = sample_ids(model, tokenizer, prompt_ids, prompt_mask, params)
+    return assemble_rollout(tokenizer, prompts, num_generations, prompt_ids, prompt_mask, completion_ids,
+                            completion_mask, truncated, rows)
+
+
+@torch.no_grad()
+@in_compute_dtype
+def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One completion per row of the left-padded prompt_ids [N, P] (prompt_mask 1 on real tokens):
+    (completion_ids [N, T], completion_mask [N, T] through the first EOS or the token completing
+    the first of params.stop, truncated [N] where neither came within params.max_new_tokens)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
     eos_ids = _eos_ids(model, tokenizer)
     greedy = params.temperature == 0
     gen_config = GenerationConfig(
@@ -171,16 +182,59 @@ def sample_groups(
             if cut is not None:
                 completion_mask[row, cut:] = 0
                 truncated[row] = False
-    return assemble_rollout(tokenizer, prompts, num_generations, prompt_ids, prompt_mask, completion_ids,
-                            completion_mask, truncated, rows)
+    return completion_ids, completion_mask, truncated
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What one context's sampling added: the sampled token ids, and why it ended: "eos" (the
+    last id is an EOS), "stop" (the last id completes one of params.stop) or "length" (its budget).
+    logp: each sampled id's log-prob under the engine that sampled it, where the engine reports it."""
+
+    ids: list[int]
+    finish: str
+    logp: list[float] | None = None
+
+
+def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as (ids [N, P], mask [N, P]), left-padded to the longest."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        if context:
+            ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+            mask[row, width - len(context) :] = 1
+    return ids, mask
+
+
+def continue_ids(model: torch.nn.Module, tokenizer, contexts: list[list[int]], budgets: list[int],
+                 params: SamplingParams) -> list[Continuation]:
+    """One continuation of each token-id context, sampled on the ids as they are (never
+    re-tokenised), of at most budgets[i] tokens (params.max_new_tokens is not read)."""
+    if len(budgets) != len(contexts) or min(budgets, default=1) < 1:
+        raise ValueError(f"continue_ids needs one budget >= 1 per context, got {budgets} for {len(contexts)} contexts")
+    ids, mask = left_padded(contexts, tokenizer.pad_token_id)
+    completion_ids, completion_mask, truncated = sample_ids(
+        model, tokenizer, ids, mask, dataclasses.replace(params, max_new_tokens=max(budgets)))
+    eos_ids = set(_eos_ids(model, tokenizer))
+    out = []
+    for row, budget in enumerate(budgets):
+        sampled = completion_ids[row][completion_mask[row].bool()].tolist()
+        if len(sampled) > budget or truncated[row]:
+            out.append(Continuation(sampled[:budget], "length"))
+        else:
+            out.append(Continuation(sampled, "eos" if sampled and sampled[-1] in eos_ids else "stop"))
+    return out
 
 
 def assemble_rollout(tokenizer, prompts: list[str], num_generations: int, prompt_ids: torch.Tensor,
                      prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                     truncated: torch.Tensor, rows: list[dict] | None, sampling_logp: torch.Tensor | None = None
-                     ) -> Rollout:
+                     truncated: torch.Tensor, rows: list[dict] | None, sampling_logp: torch.Tensor | None = None,
+                     sampled_mask: torch.Tensor | None = None) -> Rollout:
     """The Rollout every engine returns: left-padded prompts [N, P] then completions [N, T], padded
-    after their mask, decoded without special tokens; rows and prompts repeated G times."""
+    after their mask, decoded without special tokens; rows and prompts repeated G times.
+    sampled_mask [N, T]: 1 on the tokens the policy sampled, 0 on inserted tool output (None: all)."""
     completion_ids = torch.where(completion_mask.bool(), completion_ids, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(
         [ids[m.bool()] for ids, m in zip(completion_ids, completion_mask)], skip_special_tokens=True
@@ -196,4 +250,5 @@ def assemble_rollout(tokenizer, prompts: list[str], num_generations: int, prompt
         group_size=num_generations,
         rows=[r for r in rows for _ in range(num_generations)] if rows else [],
         sampling_logp=None if sampling_logp is None else sampling_logp * completion_mask,
+        sampled_mask=None if sampled_mask is None else sampled_mask * completion_mask,
     )

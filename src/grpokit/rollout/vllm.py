@@ -64,7 +64,8 @@ from grpokit.models.precision import compute_dtype
 from grpokit.rollout.engine import WeightSyncError
 from grpokit.rollout.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
-from grpokit.rollout.sampler import SamplingParams, _eos_ids, assemble_rollout, completion_mask_and_truncation
+from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
+                                    completion_mask_and_truncation)
 from grpokit.types import Rollout
 
 _INSTALL_HINT = (
@@ -252,36 +253,60 @@ class VLLMEngine:
 
         requests = [ids for ids in token_lists for _ in range(num_generations)]
         request_seeds = [None if seeds is None else int(seeds[i]) for i in range(n)]
-        sampled = self._generate_pooled(requests, request_seeds, params)
+        sampled = self._generate_pooled(requests, request_seeds, params, [params.max_new_tokens] * n)
         return self._build_rollout(prompts, num_generations, enc, sampled, rows)
 
-    def _generate_pooled(self, requests: list[list[int]], seeds: list[int | None], params: SamplingParams) -> list:
-        """vLLM's outputs for this process's requests. Under tensor parallelism the processes of one
-        group hold one engine between them and must submit the same batch: they pool their requests,
-        generate them all, and each keeps its own (per-request seeds make that exact)."""
+    def continue_ids(self, contexts: list[list[int]], budgets: list[int], params: SamplingParams,
+                     seeds: list[int] | None = None) -> list[Continuation]:
+        """One continuation of each token-id context, of at most budgets[i] tokens (multi-turn
+        rollouts, rollout/multi_turn.py): vLLM continues from the ids as they are (TokensPrompt),
+        with each sampled token's log-prob."""
+        if len(budgets) != len(contexts) or min(budgets, default=1) < 1:
+            raise ValueError(f"continue_ids needs one budget >= 1 per context, got {budgets} for {len(contexts)} contexts")
+        for index, (ids, budget) in enumerate(zip(contexts, budgets)):
+            if not ids or len(ids) + budget > self.max_model_len:
+                raise ValueError(f"context {index} has {len(ids)} tokens + {budget} to write, not within "
+                                 f"1..max_model_len={self.max_model_len}")
+        seeds = [None] * len(contexts) if seeds is None else [int(s) for s in seeds]
+        out = []
+        for completion in self._generate_pooled([list(c) for c in contexts], seeds, params, list(budgets)):
+            ids = list(completion.token_ids)
+            finish = ("stop" if isinstance(completion.stop_reason, str)
+                      else "length" if completion.finish_reason == "length" else "eos")
+            out.append(Continuation(ids, finish, _sampled_logprobs(ids, completion.logprobs)))
+        return out
+
+    def _generate_pooled(self, requests: list[list[int]], seeds: list[int | None], params: SamplingParams,
+                         max_tokens: list[int]) -> list:
+        """vLLM's outputs for this process's requests, each of at most its max_tokens. Under tensor
+        parallelism the processes of one group hold one engine between them and must submit the same
+        batch: they pool their requests, generate them all, and each keeps its own (per-request seeds
+        make that exact)."""
         mine = slice(0, len(requests))
         if self._tp_group is not None:
             pooled: list = [None] * dist.get_world_size(self._tp_group)
-            dist.all_gather_object(pooled, (requests, seeds), group=self._tp_group)
+            dist.all_gather_object(pooled, (requests, seeds, max_tokens), group=self._tp_group)
             rank = dist.get_rank(self._tp_group)
-            first = sum(len(r) for r, _ in pooled[:rank])
+            first = sum(len(r) for r, _, _ in pooled[:rank])
             mine = slice(first, first + len(requests))
-            requests = [ids for r, _ in pooled for ids in r]
-            seeds = [seed for _, s in pooled for seed in s]
+            requests = [ids for r, _, _ in pooled for ids in r]
+            seeds = [seed for _, s, _ in pooled for seed in s]
+            max_tokens = [m for _, _, t in pooled for m in t]
         self._wake(("weights", "kv_cache"))
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=ids) for ids in requests],
-                                    sampling_params=[self._request_params(params, seed) for seed in seeds],
+                                    sampling_params=[self._request_params(params, seed, m)
+                                                     for seed, m in zip(seeds, max_tokens, strict=True)],
                                     use_tqdm=False)
         return [out.outputs[0] for out in outputs[mine]]
 
-    def _request_params(self, params: SamplingParams, seed: int | None):
+    def _request_params(self, params: SamplingParams, seed: int | None, max_tokens: int):
         greedy = params.temperature == 0
         return self._vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p,
             top_k=0,
-            max_tokens=params.max_new_tokens,
+            max_tokens=max_tokens,
             seed=None if greedy else seed,
             stop_token_ids=list(self.eos_ids),
             logprobs=0,  # only the sampled token's log-prob

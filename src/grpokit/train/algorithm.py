@@ -26,7 +26,7 @@ class Batch:
 
     rollout: Rollout
     result: RewardResult  # on the CPU, as the rewards made it
-    loss_mask: torch.Tensor  # [N, T]: completion tokens of samples whose reward is valid
+    loss_mask: torch.Tensor  # [N, T]: policy-sampled completion tokens (Rollout.policy_mask) of samples whose reward is valid
     ref_logp: torch.Tensor | None  # [N, T] under pi_ref, when the algorithm uses it
     old_logp: torch.Tensor | None  # [N, T] under pi_old, when the algorithm asks for it (else logp.detach())
     tokenizer: object

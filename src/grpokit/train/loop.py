@@ -328,7 +328,7 @@ class Trainer:
             timings["perf/scoring_time_s"] += time.perf_counter() - t
             rounds, sampled = rounds + 1, sampled + len(rows) * self.world_size
             if not cfg.dynamic_sampling:
-                return rollout, result, {}
+                return rollout, result, self._engine_metrics()
             spread = groups_with_spread(result.total, result.valid, g)
             parts.append((rollout, result, spread.repeat_interleave(g).nonzero().flatten()))
             kept += int(spread.sum())
@@ -341,7 +341,12 @@ class Trainer:
         rollout = Rollout.cat([r.take(rows) for r, _, rows in parts], self.tokenizer.pad_token_id)
         result = RewardResult.cat([res.take(rows) for _, res, rows in parts])
         return rollout, result, {"sampling/groups_sampled": sampled, "sampling/groups_dropped": sampled - kept,
-                                 "sampling/rounds": rounds}
+                                 "sampling/rounds": rounds, **self._engine_metrics()}
+
+    def _engine_metrics(self) -> dict:
+        """What the engine reports of its last batch (a ToolEngine's tool/* numbers), else nothing."""
+        report = getattr(self.engine, "rollout_metrics", None)
+        return report() if report is not None else {}
 
     def _score_steps(self, rollout: Rollout, result: RewardResult) -> None:
         """Process supervision: the process reward model scores each completion's steps into
@@ -394,7 +399,7 @@ class Trainer:
             # the correction's own shares: tis is_capped_frac, icepop is_dropped_frac, ...
             sums.update({f"rollout/{k}": v * tokens for k, v in stats.items() if k.startswith("is_")})
             if entropy is not None:
-                cm = rollout.completion_mask[micro].to(entropy.dtype)
+                cm = rollout.policy_mask[micro].to(entropy.dtype)
                 sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
             return loss, sums
 
@@ -416,10 +421,12 @@ class Trainer:
         return out
 
     def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
-        """(the rollout moved to the policy's device, the loss mask there): completion tokens of
-        samples whose reward is valid, without truncated ones if grpo.mask_truncated_completions."""
+        """(the rollout moved to the policy's device, the loss mask there): the tokens the policy
+        sampled (Rollout.policy_mask: tool output left out) of samples whose reward is valid,
+        without truncated ones if grpo.mask_truncated_completions. Every count and term of the
+        update reads this mask."""
         rollout = rollout.to(self.device)
-        loss_mask = rollout.completion_mask * result.valid.to(self.device).unsqueeze(1)
+        loss_mask = rollout.policy_mask * result.valid.to(self.device).unsqueeze(1)
         if self.config.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         return rollout, loss_mask

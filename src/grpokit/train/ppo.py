@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from grpokit import distributed
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.math import gae_advantages, kl_k3, value_loss
+from grpokit.micro_batches import attended_ends
 from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_state_dict, load_optimizer_state,
                                      local_tensors, shard_model)
 from grpokit.models.value import build_critic, token_values
@@ -32,11 +33,12 @@ CRITIC_DIR = "critic"
 def shaped_token_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
                          mask: torch.Tensor, beta: float) -> torch.Tensor:
     """PPO's per-token reward (docs/algorithm.md, eq. 2): -beta (logp_old - logp_ref) on every completion token,
-    plus the outcome reward on the last one. scores: [N]; the rest [N, T]. Zero outside the mask."""
+    plus the outcome reward on the last one. scores: [N]; the rest [N, T]. Zero outside the mask, which
+    may have holes (tool output between sampled tokens): the last token is the last one under it."""
     m = mask.to(old_logp.dtype)
     kl_penalty = -beta * (old_logp - ref_logp) if ref_logp is not None else torch.zeros_like(old_logp)
     rewards = kl_penalty * m
-    last = (m.sum(dim=1).long() - 1).clamp(min=0)
+    last = (attended_ends(mask) - 1).clamp(min=0)
     has_tokens = m.sum(dim=1) > 0
     bonus = torch.where(has_tokens, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     return rewards.scatter_add(1, last.unsqueeze(1), bonus.unsqueeze(1))

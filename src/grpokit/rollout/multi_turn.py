@@ -1,0 +1,250 @@
+"""Multi-turn rollouts with a tool (grpokit.tools), token in / token out.
+
+Each round, every active completion is continued from its token ids (the prompt's, then every
+token so far) until the tool's stop string, an EOS, or the completion's length limit. The
+calls of all completions that stopped at the tool run together (tools.run_calls), and each
+output's text is tokenised once, as its own segment, and appended to that completion's ids;
+the policy's sampled ids are never decoded and re-tokenised, so the trainer scores exactly
+the tokens that were sampled. At most `max_tool_calls` rounds: as in DeepSeekMath's
+evaluation (eval/tir.py), the output of the last round's call ends the completion.
+
+The Rollout's completion ids are the sampled ids and the tool segments in order;
+completion_mask covers both (tool output is context the policy reads), sampled_mask is 1 on
+sampled tokens only, so the loss never trains the policy to write a tool's output
+(docs/algorithm.md, "Tool output in the loss"). params.max_new_tokens bounds the whole
+completion, tool output included: a segment that does not fit is cut and the completion
+counts as truncated.
+
+An engine takes part by offering `continue_ids(contexts, budgets, params, seeds)` (HFEngine:
+transformers' generate on the ids; VLLMEngine: TokensPrompt, with the sampled tokens' log-probs,
+which become the Rollout's sampling_logp, 0 on tool output); each request's seed is the one the engine gets for a
+single-turn completion (rollout/engine.py, request_seeds) in the first round, and one derived
+from it and the round after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from grpokit import distributed
+from grpokit.rollout.sampler import SamplingParams, assemble_rollout, left_padded
+from grpokit.tools import Tool, ToolOutput, appended_text, run_calls, stopped_at
+from grpokit.types import Rollout
+
+# Why a completion ended: "answer" (an EOS, or a stop string other than the tool's), "length"
+# (the limit on completion tokens, tool output included), "tool_limit" (the output of a call in
+# the last allowed round), "no_program" (the tool found no call before its stop string),
+# "tool_error" (the tool itself raised on the call).
+STOP_REASONS = ("answer", "length", "tool_limit", "no_program", "tool_error")
+
+
+@dataclass
+class _Completion:
+    ids: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # 1 per sampled token, 0 per tool-output token
+    logp: list[float] | None = field(default_factory=list)  # the engine's, 0 on tool output; None: unreported
+    outputs: list[ToolOutput] = field(default_factory=list)
+    reason: str = ""
+
+    def extend(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
+        self.ids += ids
+        self.sampled += [int(sampled)] * len(ids)
+        if self.logp is not None and sampled and logp is None:
+            self.logp = None
+        elif self.logp is not None:
+            self.logp += logp[: len(ids)] if sampled else [0.0] * len(ids)
+
+
+@dataclass
+class ToolRollout:
+    """A multi-turn rollout: the Rollout the trainer reads (sampled_mask set), and per completion
+    why it ended (STOP_REASONS) and what the tool answered to each of its calls."""
+
+    rollout: Rollout
+    stop_reasons: list[str]
+    tool_outputs: list[list[ToolOutput]]
+
+    @property
+    def tool_calls(self) -> list[int]:
+        return [len(outputs) for outputs in self.tool_outputs]
+
+    def metrics(self) -> dict[str, float]:
+        """tool/* numbers of the batch: calls per completion, shares of calls that failed, timed
+        out or crashed the tool, the tool's seconds, the share of completion tokens it wrote, and
+        the share of completions per stop reason."""
+        calls = [o for outputs in self.tool_outputs for o in outputs]
+        n = max(1, len(calls))
+        mask = self.rollout.completion_mask
+        sampled = self.rollout.policy_mask
+        out = {
+            "tool/calls_mean": len(calls) / max(1, len(self.tool_outputs)),
+            "tool/failed_frac": sum(o.failed for o in calls) / n,
+            "tool/timeout_frac": sum(o.timed_out for o in calls) / n,
+            "tool/error_frac": sum(o.error is not None for o in calls) / n,
+            "tool/seconds": sum(o.seconds for o in calls),
+            "tool/output_token_frac": float((mask.sum() - sampled.sum()) / mask.sum().clamp(min=1)),
+        }
+        out.update({f"tool/stop_{reason}_frac": self.stop_reasons.count(reason) / max(1, len(self.stop_reasons))
+                    for reason in STOP_REASONS})
+        return out
+
+
+def round_seeds(seeds: list[int] | None, round_index: int) -> list[int] | None:
+    """The requests' seeds in round `round_index`: the single-turn seeds in round 0 (a completion
+    that calls no tool is the one `generate` samples), then one per (seed, round)."""
+    if seeds is None or round_index == 0:
+        return seeds
+    return [int.from_bytes(hashlib.blake2b(f"{s}/round{round_index}".encode(), digest_size=4).digest(), "little")
+            for s in seeds]
+
+
+def tool_segment(tokenizer, text: str) -> list[int]:
+    """The token ids of a tool's appended text, tokenised on its own; special-token text the
+    tool printed (an "<eos>") stays text, so it can never end the completion."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _check_engine(engine) -> None:
+    if distributed.world_size() > 1:
+        # A sharded policy's generate calls are collectives (sampler.sample_ids), and the number of
+        # rounds differs between processes: they would wait on each other forever.
+        raise NotImplementedError("multi-turn tool rollouts run in one process for now; "
+                                  f"this run has {distributed.world_size()}")
+    if not hasattr(engine, "continue_ids"):
+        raise ValueError(f"the rollout engine {type(engine).__name__} cannot continue from token ids "
+                         "(continue_ids); multi-turn tool rollouts need one that can, such as `hf`")
+
+
+def _check_rounds(max_tool_calls: int) -> None:
+    if max_tool_calls < 1:
+        raise ValueError(f"max_tool_calls must be at least 1 (one round of generation), got {max_tool_calls}")
+
+
+def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: int, params: SamplingParams,
+                       tool: Tool, max_tool_calls: int = 4, rows: list[dict] | None = None,
+                       seeds: list[int] | None = None) -> ToolRollout:
+    """`num_generations` multi-turn completions of each prompt (groups contiguous, as
+    RolloutEngine.generate), calling `tool` in at most `max_tool_calls` rounds. `seeds`: one per
+    completion (request_seeds), for engines with per-request seeds. The tool's stop string is
+    added to params.stop."""
+    _check_rounds(max_tool_calls)
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    if not prompts:
+        raise ValueError("multi_turn_rollout got no prompts")
+    _check_engine(engine)
+    if seeds is not None and len(seeds) != len(prompts) * num_generations:
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts) * num_generations} completions")
+    params = dataclasses.replace(params, stop=tuple(dict.fromkeys((*params.stop, tool.stop))))
+    limit = params.max_new_tokens
+    prompt_ids = [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+                  for _ in range(num_generations)]
+    completions = [_Completion() for _ in prompt_ids]
+    active = list(range(len(completions)))
+    for round_index in range(max_tool_calls):
+        if not active:
+            break
+        continuations = engine.continue_ids(
+            [prompt_ids[i] + completions[i].ids for i in active], [limit - len(completions[i].ids) for i in active],
+            params, round_seeds(None if seeds is None else [seeds[i] for i in active], round_index))
+        calls: list[tuple[int, str, str]] = []  # (completion, call, overhang after the stop string)
+        for i, continuation in zip(active, continuations, strict=True):
+            completion = completions[i]
+            completion.extend(continuation.ids, sampled=True, logp=continuation.logp)
+            if continuation.finish == "length":
+                completion.reason = "length"
+                continue
+            text = tokenizer.decode(completion.ids, skip_special_tokens=True)
+            overhang = stopped_at(text, tool.stop) if continuation.finish == "stop" else None
+            if overhang is None:
+                completion.reason = "answer"
+                continue
+            if len(completion.ids) >= limit:
+                completion.reason = "length"  # no room left for the tool's output
+                continue
+            call = tool.parse(text)
+            if call is None:
+                completion.reason = "no_program"
+                continue
+            calls.append((i, call, overhang))
+        outputs = run_calls(tool, [call for _, call, _ in calls])
+        active = []
+        for (i, _, overhang), output in zip(calls, outputs, strict=True):
+            completion = completions[i]
+            completion.outputs.append(output)
+            if output.error is not None:
+                completion.reason = "tool_error"
+                continue
+            segment = tool_segment(tokenizer, appended_text(output.text, overhang))
+            room = limit - len(completion.ids)
+            completion.extend(segment[:room], sampled=False)
+            if len(segment) > room or (len(segment) == room and round_index + 1 < max_tool_calls):
+                completion.reason = "length"
+            else:
+                active.append(i)
+    for i in active:
+        completions[i].reason = "tool_limit"
+    return ToolRollout(_assemble(tokenizer, prompts, num_generations, prompt_ids, completions, rows),
+                       [c.reason for c in completions], [c.outputs for c in completions])
+
+
+def _assemble(tokenizer, prompts: list[str], num_generations: int, prompt_ids: list[list[int]],
+              completions: list[_Completion], rows: list[dict] | None) -> Rollout:
+    """The Rollout of the completions' token ids: completion_mask on every completion token,
+    sampled_mask on the sampled ones, sampling_logp where the engine reported every sampled token's."""
+    width = max(1, max(len(c.ids) for c in completions))
+    completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    sampled_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    with_logp = all(c.logp is not None for c in completions)
+    sampling_logp = torch.zeros((len(completions), width), dtype=torch.float32) if with_logp else None
+    for row, c in enumerate(completions):
+        completion_ids[row, : len(c.ids)] = torch.tensor(c.ids, dtype=torch.long)
+        completion_mask[row, : len(c.ids)] = 1
+        sampled_mask[row, : len(c.ids)] = torch.tensor(c.sampled, dtype=torch.long)
+        if sampling_logp is not None:
+            sampling_logp[row, : len(c.ids)] = torch.tensor(c.logp, dtype=torch.float32)
+    truncated = torch.tensor([c.reason == "length" for c in completions])
+    ids, mask = left_padded(prompt_ids, tokenizer.pad_token_id)
+    return assemble_rollout(tokenizer, prompts, num_generations, ids, mask, completion_ids, completion_mask,
+                            truncated, rows, sampling_logp, sampled_mask)
+
+
+class ToolEngine:
+    """A RolloutEngine whose `generate` is a multi-turn rollout with `tool` on `engine` (which must
+    offer continue_ids): what the training loop calls unchanged, through engine.generate(prompts,
+    G, params, rows, seeds). Weight syncs and memory go to the wrapped engine; the last batch's
+    ToolRollout (stop reasons, tool outputs, metrics()) stays in `last`, and rollout_metrics() is
+    what the loop logs of it."""
+
+    def __init__(self, engine, tokenizer, tool: Tool, max_tool_calls: int = 4):
+        _check_engine(engine)
+        _check_rounds(max_tool_calls)
+        self.engine, self.tokenizer, self.tool, self.max_tool_calls = engine, tokenizer, tool, max_tool_calls
+        self.last: ToolRollout | None = None
+
+    @property
+    def copies_weights(self) -> bool:
+        return self.engine.copies_weights
+
+    def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
+        self.last = multi_turn_rollout(self.engine, self.tokenizer, prompts, num_generations, params, self.tool,
+                                       self.max_tool_calls, rows, seeds)
+        return self.last.rollout
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last batch's tool/* numbers (ToolRollout.metrics), which the training loop logs."""
+        return self.last.metrics() if self.last is not None else {}
+
+    def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
+        self.engine.sync_weights(model, state_dict)
+
+    def release_memory(self, weights_pushed_next: bool) -> None:
+        self.engine.release_memory(weights_pushed_next)
+
+    def close(self) -> None:
+        self.engine.close()

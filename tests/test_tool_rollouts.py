@@ -1,0 +1,398 @@
+"""Reinforcement learning with tools: multi-turn rollouts token in / token out
+(rollout/multi_turn.py), tool output masked out of every loss term and count (Rollout.policy_mask),
+worked by hand; and a second tool, an exact calculator defined here, through the same rollout."""
+
+import ast
+import copy
+import math
+import operator
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from grpokit import distributed
+from grpokit.config import GRPOConfig
+from grpokit.data import arithmetic
+from grpokit.math import grpo_loss, loss_denominator
+from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.rewards import RewardResult, WeightedReward
+from grpokit.rollout import Continuation, HFEngine, SamplingParams, ToolEngine, multi_turn_rollout
+from grpokit.rollout.multi_turn import round_seeds
+from grpokit.tools import ToolOutput, make_tool, register_tool
+from grpokit.tools.python import PythonTool
+from grpokit.train.grpo import GRPOTrainer
+from grpokit.train.ppo import shaped_token_rewards
+
+CHARS = arithmetic.TIR_ALPHABET + "<>*/"  # the TIR fences and print(), a-f for stop strings, the calculator's <<>>
+
+
+# --- a second tool: an exact calculator with its own fence ----------------------------------
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _exact(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_exact(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_exact(node.left), _exact(node.right))
+    raise ValueError("not arithmetic")
+
+
+@register_tool("calculator")
+class Calculator:
+    """<<expression>> is answered with "=value", in exact fractions: <<1/3*6>>=2."""
+
+    name = "calculator"
+    stop = ">>"
+    instruction = "Compute with <<expression>>; its exact value follows."
+
+    def parse(self, completion):
+        at = completion.rfind("<<")
+        return completion.rstrip()[at + 2 : -len(self.stop)] if at >= 0 else None
+
+    def run(self, calls):
+        return [self._one(call) for call in calls]
+
+    def _one(self, expression):
+        try:
+            value = _exact(ast.parse(expression, mode="eval").body)
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            return ToolOutput("=error", failed=True)
+        return ToolOutput("=" + str(value))
+
+
+def test_the_calculator_is_a_tool_by_name():
+    calc = make_tool("calculator")
+    assert calc.parse("so <<6*7>>") == "6*7"
+    assert [o.text for o in calc.run(["6*7", "1/3*6", "2/4", "1/0", "x"])] == ["=42", "=2", "=1/2", "=error", "=error"]
+
+
+# --- engines and tokenizers for the golden tests --------------------------------------------
+
+
+class IdScript:
+    """An engine whose continue_ids gives each context the next scripted id list of the prompt its
+    context starts with (cut to the budget), and records the contexts and budgets it was given."""
+
+    def __init__(self, tokenizer, script: dict[str, list[list[int]]]):
+        self.eos = tokenizer.eos_token_id
+        self.script = [(tokenizer(p, add_special_tokens=False)["input_ids"], list(s)) for p, s in script.items()]
+        self.contexts, self.budgets = [], []
+
+    def continue_ids(self, contexts, budgets, params, seeds=None):
+        self.contexts.append([list(c) for c in contexts])
+        self.budgets.append(list(budgets))
+        out = []
+        for context, budget in zip(contexts, budgets):
+            replies = next(s for prompt, s in self.script if context[: len(prompt)] == prompt)
+            ids = replies.pop(0)
+            finish = "length" if len(ids) > budget else ("eos" if ids[-1] == self.eos else "stop")
+            out.append(Continuation(ids[:budget], finish))
+        return out
+
+
+def char_ids(tokenizer, text: str) -> list[int]:
+    """One id per character, whatever merges the tokenizer knows: how a policy may sample it."""
+    return tokenizer.convert_tokens_to_ids(list(text))
+
+
+def make_trainer(model, tokenizer, tmp_path, **config):
+    config = {"num_generations": 2, "prompts_per_step": 1, "max_completion_length": 120, "max_steps": 1,
+              "micro_batch_size": 64, "temperature": 1.0, **config}
+    reward = WeightedReward("length", lambda prompts, completions, **_: [len(c) / 10 for c in completions])
+    return GRPOTrainer(model, tokenizer, [reward], [{"prompt": "Q: 2+2\n"}], GRPOConfig(**config), tmp_path,
+                       progress=False)
+
+
+@pytest.fixture(scope="module")
+def tir_tokenizer():
+    return build_char_tokenizer(CHARS)
+
+
+# --- (a) a two-round TIR rollout, its masks and its loss by hand -----------------------------
+
+S1 = "```python\nprint(2+2)\n```\n```output"  # 34 characters, one token each
+S2 = "```python\nprint(4+4)\n```\n```output"  # 34
+T1, T2 = "\n4\n```\n", "\n8\n```\n"  # the tool's output blocks: 7 tokens each
+S3 = "A: 8"  # then EOS: 5 tokens
+POLICY, TOOL, OTHER = 34 + 34 + 5, 7 + 7, 5  # row 0's sampled and tool tokens; row 1: "A: 5" + EOS
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tir_tokenizer):
+    tok, eos = tir_tokenizer, tir_tokenizer.eos_token_id
+    engine = IdScript(tok, {"Q: 2+2\n": [char_ids(tok, S1), char_ids(tok, S2), char_ids(tok, S3) + [eos]],
+                            "Q: 1+4\n": [char_ids(tok, "A: 5") + [eos]]})
+    result = multi_turn_rollout(engine, tok, ["Q: 2+2\n", "Q: 1+4\n"], 1, SamplingParams(120, temperature=0),
+                                PythonTool(timeout_s=10.0), max_tool_calls=3)
+    return engine, result
+
+
+def test_two_round_rollout_golden(two_rounds, tir_tokenizer):
+    engine, result = two_rounds
+    tok, eos = tir_tokenizer, tir_tokenizer.eos_token_id
+    rollout = result.rollout
+    assert len(S1) == len(S2) == 34 and len(T1) == len(T2) == 7
+    expected = char_ids(tok, S1 + T1 + S2 + T2 + S3) + [eos]
+    assert rollout.completion_ids[0].tolist() == expected
+    assert rollout.completion_ids[1].tolist() == char_ids(tok, "A: 5") + [eos] + [tok.pad_token_id] * 82
+    assert rollout.completions == [S1 + T1 + S2 + T2 + S3, "A: 5"]
+    assert rollout.sampled_mask[0].tolist() == [1] * 34 + [0] * 7 + [1] * 34 + [0] * 7 + [1] * 5
+    assert rollout.sampled_mask[1].tolist() == [1] * 5 + [0] * 82
+    assert rollout.completion_mask[0].tolist() == [1] * 87 and rollout.completion_mask[1].sum() == 5
+    assert rollout.policy_mask.sum(dim=1).tolist() == [POLICY, OTHER]
+    assert rollout.attention_mask[0, rollout.prompt_length :].sum() == 87  # tool output is context
+    assert result.stop_reasons == ["answer", "answer"] and result.tool_calls == [2, 0]
+    assert not rollout.truncated.any()
+    # the second program carries nothing printed by the first (DeepSeekMath's cumulative rule)
+    assert [o.text for o in result.tool_outputs[0]] == [T1, T2]
+    # token in: round 2 continued from the prompt's ids, the sampled ids and the tool's ids as they were
+    prompt = tok("Q: 2+2\n", add_special_tokens=False)["input_ids"]
+    assert engine.contexts[1] == [prompt + char_ids(tok, S1 + T1)]
+    assert engine.contexts[2] == [prompt + char_ids(tok, S1 + T1 + S2 + T2)]
+    assert engine.budgets == [[120, 120], [120 - 41], [120 - 82]]  # tool output counts against the limit
+    metrics = result.metrics()
+    assert metrics["tool/calls_mean"] == 1.0 and metrics["tool/failed_frac"] == 0.0
+    assert metrics["tool/output_token_frac"] == pytest.approx(TOOL / (87 + 5))
+    assert metrics["tool/stop_answer_frac"] == 1.0
+
+
+def hand_tensors(rollout, tool_value: float):
+    """logp 0 on the policy's tokens and `tool_value` on the tool's; pi_ref 0.5 above on the policy's
+    tokens and -30 on the tool's (a huge KL there, if it were counted)."""
+    tool = (rollout.completion_mask - rollout.policy_mask).bool()
+    logp = either(tool, tool_value, 0.0).requires_grad_(True)
+    return logp, either(tool, -30.0, 0.5), tool
+
+
+def either(mask: torch.Tensor, where_set: float, elsewhere: float) -> torch.Tensor:
+    """A float64 [N, T] of `where_set` where mask is true, else `elsewhere`."""
+    return torch.where(mask, torch.tensor(where_set, dtype=torch.float64), torch.tensor(elsewhere, dtype=torch.float64))
+
+
+K3 = math.exp(0.5) - 0.5 - 1  # k3 of d = ref - logp = 0.5, eq. 4
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    # token: -(sum_policy A - beta k3 * tokens) / tokens, A = +1 (row 0), -1 (row 1), over 73 + 5 tokens
+    ("token", -((POLICY - OTHER) - 0.04 * K3 * (POLICY + OTHER)) / (POLICY + OTHER)),
+    # constant (Dr. GRPO): the same sum over N * L_max = 2 * 120
+    ("constant", -((POLICY - OTHER) - 0.04 * K3 * (POLICY + OTHER)) / (2 * 120)),
+    # sequence: each row's mean over its own policy tokens, then the mean over rows
+    ("sequence", -((1 - 0.04 * K3) + (-1 - 0.04 * K3)) / 2),
+])
+def test_the_trainers_loss_counts_policy_tokens_only(two_rounds, tir_tokenizer, tmp_path, aggregation, expected):
+    _, result = two_rounds
+    model = build_tiny_model(tir_tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    trainer = make_trainer(model, tir_tokenizer, tmp_path, loss_aggregation=aggregation, beta=0.04)
+    n = result.rollout.num_samples
+    scores = RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
+    rollout, loss_mask = trainer.on_policy_device(result.rollout, scores)
+    assert torch.equal(loss_mask, rollout.policy_mask)  # the trainer's one mask leaves tool output out
+    total = loss_denominator(loss_mask, aggregation)
+    assert total == {"token": POLICY + OTHER, "constant": 2, "sequence": 2}[aggregation]
+    for tool_value in (0.0, 7.0):  # whatever the log-probs of tool output, the loss does not move
+        logp, ref, tool = hand_tensors(rollout, tool_value)
+        advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+        loss, stats = trainer.algorithm.loss(logp, logp.detach(), ref, advantages, loss_mask, total, None)
+        assert loss.item() == pytest.approx(expected, rel=1e-12)
+        assert float(stats["tokens"]) == POLICY + OTHER and float(stats["kl"]) == pytest.approx(K3)
+        # (b) the gradient is exactly zero on every tool-output position, and not on the policy's
+        loss.backward()
+        assert (logp.grad[tool] == 0).all() and (logp.grad[rollout.policy_mask.bool()] != 0).all()
+
+
+def test_importance_weights_and_the_sequence_ratio_ignore_tool_output(two_rounds):
+    rollout = two_rounds[1].rollout
+    mask = rollout.policy_mask
+    logp, _, tool = hand_tensors(rollout, 0.0)
+    old = either(tool, -40.0, -0.1)  # a ratio of e^40 on tool output, were it read
+    sampling = either(tool, 40.0, -0.2)
+    loss, stats = grpo_loss(logp, old, None, torch.tensor([1.0, -1.0], dtype=torch.float64), mask, beta=0.0,
+                            aggregation="token", importance_level="sequence", sampling_logp=sampling,
+                            is_correction="tis")
+    ratio, weight = math.exp(0.1), math.exp(0.1)  # s_i = exp(mean over policy tokens of 0 - (-0.1)); TIS below its cap
+    assert loss.item() == pytest.approx(-(POLICY - OTHER) * weight * ratio / (POLICY + OTHER), rel=1e-12)
+    assert float(stats["logp_mismatch"]) == pytest.approx(0.1)
+    loss.backward()
+    assert (logp.grad[tool] == 0).all()
+
+
+def test_the_trainer_scores_the_rollouts_tokens_with_tool_output_as_context(two_rounds, tir_tokenizer, tmp_path):
+    """policy_micro_loss on a real model: the token count and entropy run over policy tokens."""
+    _, result = two_rounds
+    model = build_tiny_model(tir_tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    trainer = make_trainer(model, tir_tokenizer, tmp_path, loss_aggregation="token", beta=0.0)
+    n = result.rollout.num_samples
+    scores = RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
+    rollout, loss_mask = trainer.on_policy_device(result.rollout, scores)
+    micro_loss = trainer.policy_micro_loss(rollout, torch.tensor([1.0, -1.0]), loss_mask, None, None)
+    loss, sums = micro_loss(torch.arange(n), 0, float(POLICY + OTHER))
+    assert float(sums["tokens"]) == POLICY + OTHER and float(sums["entropy_tokens"]) == POLICY + OTHER
+    assert torch.isfinite(loss)
+
+
+def test_ppo_puts_the_outcome_reward_on_the_last_policy_token():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]])  # a tool segment between policy tokens, then padding
+    rewards = shaped_token_rewards(torch.tensor([3.0]), torch.zeros(1, 6), None, mask, beta=0.0)
+    assert rewards.tolist() == [[0, 0, 0, 0, 3.0, 0]]
+
+
+# --- (d) token in, token out: ids that re-tokenising would change ----------------------------
+
+
+@pytest.fixture(scope="module")
+def merging_tokenizer():
+    """Characters plus two merges, "a`" and "t\\n": "a```output" + "\\n4..." re-tokenised merges
+    differently from what was sampled, and across the boundary between the policy's text and the tool's."""
+    chars = sorted(set(CHARS))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *chars, "a`", "t\n"])}
+    backend = Tokenizer(models.BPE(vocab, [("a", "`"), ("t", "\n")], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def test_token_in_token_out(merging_tokenizer, tmp_path):
+    tok, eos = merging_tokenizer, merging_tokenizer.eos_token_id
+    first = "a```python\nprint(2+2)\n```\n```output"
+    sampled = [char_ids(tok, first), char_ids(tok, "A: 4") + [eos]]  # as a policy may sample it: no merges
+    engine = IdScript(tok, {"Q: 2+2\n": [list(s) for s in sampled]})
+    result = multi_turn_rollout(engine, tok, ["Q: 2+2\n"], 1, SamplingParams(64, temperature=0), PythonTool(),
+                                max_tool_calls=2)
+    rollout = result.rollout
+    segment = tok(T1, add_special_tokens=False)["input_ids"]  # the tool's text, tokenised once, on its own
+    ids = sampled[0] + segment + sampled[1]
+    assert rollout.completion_ids[0].tolist() == ids
+    assert rollout.sampled_mask[0].tolist() == [1] * len(sampled[0]) + [0] * len(segment) + [1] * 5
+    # re-tokenising the decoded text merges "a`" and, across the tool boundary, "t\n": other ids
+    text = rollout.completions[0]
+    assert text == first + T1 + "A: 4"
+    retokenised = tok(text, add_special_tokens=False)["input_ids"]
+    assert retokenised != ids[:-1] and len(retokenised) == len(ids) - 1 - 2
+    assert tok.convert_tokens_to_ids("t\n") in retokenised and tok.convert_tokens_to_ids("t\n") not in ids
+    # the trainer's log-probs are those of the sampled ids, with the tool's as context
+    model = build_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    trainer = make_trainer(model, tok, tmp_path, max_completion_length=64)
+    logp = trainer.logprobs(model, rollout)
+    prompt = tok("Q: 2+2\n", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)
+    direct = logits.gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logp[0].double(), direct, rtol=1e-4, atol=1e-4)
+
+
+# --- the rollout's edges: length limit, no program, a crashing tool, seeds ---------------------
+
+
+class Exploding(Calculator):
+    def run(self, calls):
+        if any("0" in c for c in calls):
+            raise RuntimeError("calculator crashed")
+        return super().run(calls)
+
+
+def test_a_crashing_tool_ends_only_its_sample_and_the_limit_counts_tool_output(tir_tokenizer):
+    tok, eos = tir_tokenizer, tir_tokenizer.eos_token_id
+    script = {"Q: 1\n": [char_ids(tok, "<<10>>")],  # the tool raises on it: tool_error, nothing appended
+              "Q: 2\n": [char_ids(tok, "<<2*3>>"), char_ids(tok, "A6") + [eos]],  # 7 + 2 + 3 = 12 tokens
+              "Q: 3\n": [char_ids(tok, "no cue>>")],  # the stop string without "<<": no_program
+              "Q: 4\n": [char_ids(tok, "<<1/3*5>>")]}  # 9 tokens: of "=5/3" only 3 fit in the limit of 12
+    engine = IdScript(tok, script)
+    result = multi_turn_rollout(engine, tok, list(script), 1, SamplingParams(12, temperature=0), Exploding(),
+                                max_tool_calls=3)
+    assert result.stop_reasons == ["tool_error", "answer", "no_program", "length"]
+    assert result.rollout.completions == ["<<10>>", "<<2*3>>=6A6", "no cue>>", "<<1/3*5>>=5/"]
+    assert result.rollout.truncated.tolist() == [False, False, False, True]
+    assert result.tool_outputs[0][0].error == "RuntimeError: calculator crashed" and result.tool_calls == [1, 1, 0, 1]
+    assert result.rollout.sampled_mask[3].tolist() == [1] * 9 + [0] * 3
+    assert result.rollout.completion_mask.sum(dim=1).tolist() == [6, 12, 8, 12]
+    assert result.metrics()["tool/error_frac"] == pytest.approx(1 / 3)
+
+
+def test_round_seeds():
+    assert round_seeds([5, 6], 0) == [5, 6] and round_seeds(None, 3) is None
+    later = round_seeds([5, 6], 1)
+    assert len(set(later)) == 2 and later != [5, 6] and later != round_seeds([5, 6], 2)
+
+
+def test_an_engine_without_token_continuation_is_refused(tir_tokenizer, monkeypatch):
+    with pytest.raises(ValueError, match="cannot continue from token ids"):
+        multi_turn_rollout(SimpleNamespace(), tir_tokenizer, ["Q"], 1, SamplingParams(8), Calculator())
+    with pytest.raises(ValueError, match="max_tool_calls"):
+        ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator(), max_tool_calls=0)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(NotImplementedError, match="one process for now"):
+        ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator())
+
+
+# --- (e), (f): transformers' generate on a tiny model, the sandbox, the calculator ---------------
+
+PROGRAM = ("Q: 2+2\n", "```python\nprint(2+2)\n```\n```output\n4\n```\nA: 4")
+CALCULATION = ("Q: 6*7\n", "<<6*7>>=42\nA: 42")
+
+
+@pytest.fixture(scope="module")
+def tool_model(tir_tokenizer):
+    """A tiny Llama taught to write a program after "Q: 2+2" and a calculation after "Q: 6*7", each
+    followed by the tool's output and an answer: greedy decoding writes them back."""
+    tok = tir_tokenizer
+    torch.manual_seed(0)
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    rows = [tok(p + c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for p, c in (PROGRAM, CALCULATION)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, : len(PROGRAM[0])] = -100  # both prompts are 7 characters; only the completions are learnt
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    model.train()
+    for _ in range(300):  # until every completion token wins by a logit margin of 2 (about 50 steps)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        logits, targets = out.logits[:, :-1].detach(), labels[:, 1:]
+        right = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        rival = logits.scatter(-1, targets.clamp(min=0).unsqueeze(-1), -torch.inf).amax(-1)
+        if (right - rival)[targets != -100].min() > 2:
+            break
+    model.eval()
+    return model
+
+
+def test_hf_multi_turn_rollout_runs_the_program_and_masks_its_output(tool_model, tir_tokenizer):
+    tok = tir_tokenizer
+    result = multi_turn_rollout(HFEngine(tool_model, tok), tok, [PROGRAM[0]], 2, SamplingParams(80, temperature=0),
+                                PythonTool(timeout_s=10.0), max_tool_calls=2)
+    rollout, before = result.rollout, len("```python\nprint(2+2)\n```\n```output")
+    assert rollout.completions == [PROGRAM[1]] * 2
+    assert result.stop_reasons == ["answer"] * 2 and result.tool_calls == [1, 1]
+    assert result.tool_outputs[0][0].text == "\n4\n```\n" and result.tool_outputs[0][0].seconds > 0
+    n = len(PROGRAM[1]) + 1  # one token per character, then EOS
+    assert rollout.sampled_mask[0].tolist() == [1] * before + [0] * 7 + [1] * (n - before - 7)
+    assert rollout.completion_mask[0].sum() == n and rollout.completion_ids[0, n - 1] == tok.eos_token_id
+
+
+def test_hf_multi_turn_rollout_with_the_calculator_and_a_training_step(tool_model, tir_tokenizer, tmp_path):
+    tok = tir_tokenizer
+    result = multi_turn_rollout(HFEngine(tool_model, tok), tok, [CALCULATION[0]], 1, SamplingParams(40, temperature=0),
+                                make_tool("calculator"), max_tool_calls=2)
+    assert result.rollout.completions == [CALCULATION[1]]
+    assert result.rollout.sampled_mask[0].tolist()[:10] == [1] * 7 + [0] * 3  # "<<6*7>>" then "=42" from the tool
+    # the training loop runs on the same rollouts unchanged: ToolEngine is its engine
+    model = copy.deepcopy(tool_model)
+    engine = ToolEngine(HFEngine(model, tok), tok, Calculator(), max_tool_calls=2)
+    trainer = make_trainer(model, tok, tmp_path, max_completion_length=40, loss_aggregation="token")
+    trainer.engine, trainer.dataset = engine, [{"prompt": CALCULATION[0]}]
+    record = trainer.step()
+    assert engine.last.rollout.sampled_mask is not None and math.isfinite(record["loss"])
+    assert record["tool/calls_mean"] == engine.last.metrics()["tool/calls_mean"]
+    assert record["tool/stop_answer_frac"] + record["tool/stop_length_frac"] + record["tool/stop_tool_limit_frac"] \
+        + record["tool/stop_no_program_frac"] + record["tool/stop_tool_error_frac"] == pytest.approx(1.0)
