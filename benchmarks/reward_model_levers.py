@@ -10,7 +10,7 @@ questions with the same seed, so the held-out questions, and the real samples on
 same in every row of a seed; hard negatives join the training questions only.
 
   base             the defaults (1,000 questions x 8 samples, 400 steps)
-  hard-negatives   2 one-slip twins per right training solution (reward_model.hard_negatives)
+  hard-negatives   2 one-slip twins per right training solution (reward_model.data.hard_negatives)
   balanced         process: right and wrong steps weigh equally in the loss
   hard+balanced    process: both
   3x-data-steps    3,000 questions and 1,200 steps
@@ -34,10 +34,10 @@ from reward_models import breakdown, share  # noqa: E402
 
 LEVERS = {
     "base": [],
-    "hard-negatives": ["--reward_model.hard_negatives=2"],
-    "balanced": ["--reward_model.balance_step_labels=true"],
-    "hard+balanced": ["--reward_model.hard_negatives=2", "--reward_model.balance_step_labels=true"],
-    "3x-data-steps": ["--reward_model.num_questions=3000", "--reward_model.max_steps=1200"],
+    "hard-negatives": ["--reward_model.data.hard_negatives=2"],
+    "balanced": ["--reward_model.train.balance_step_labels=true"],
+    "hard+balanced": ["--reward_model.data.hard_negatives=2", "--reward_model.train.balance_step_labels=true"],
+    "3x-data-steps": ["--reward_model.data.num_questions=3000", "--reward_model.train.max_steps=1200"],
 }
 PROCESS_ONLY = {"balanced", "hard+balanced"}
 

@@ -186,3 +186,74 @@ def test_rollout_engine_names_a_registered_engine():
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ConfigError, match=r"rollout.engine=vllm but vllm is not installed: .*make \.venv-vllm"):
             load_config(overrides=["--rollout.engine=vllm"])
+
+
+OLD_REWARD_MODEL = {  # reward_model as a run's config.yaml held it before its keys were grouped
+    "kind": "outcome", "path": "", "weight": 1.0, "step_delimiter": "\n", "device": "auto", "batch_size": 64,
+    "learning_rate": 0.0002, "max_steps": 50, "train_batch_size": 4, "warmup_steps": 20, "heldout_fraction": 0.1,
+    "num_questions": 1000, "samples_per_question": 8, "sample_temperature": 0.9, "max_pairs_per_prompt": 8,
+    "replay_fraction": 0.25, "label": "rollouts", "label_rollouts": 8, "hard_negatives": 0,
+    "balance_step_labels": False, "label_skip_uniform": True,
+}
+NEW_KEYS = ["--reward_model.kind=outcome", "--reward_model.train.max_steps=50", "--reward_model.train.batch_size=4",
+            "--reward_model.data.temperature=0.9", "--iterative.replay_fraction=0.25",
+            "--reward_model.label.method=rollouts"]
+
+
+@pytest.fixture
+def fresh_notices(monkeypatch):
+    """Each old key is named on stderr once per process: forget those already named."""
+    from grpokit.config import loading
+
+    monkeypatch.setattr(loading, "_announced", set())
+
+
+def test_an_old_key_in_yaml_still_works_and_names_its_new_key(tmp_path, capsys, fresh_notices):
+    path = tmp_path / "c.yaml"
+    path.write_text("reward_model:\n  kind: outcome\n  train_batch_size: 4\n  label: rollouts\n"
+                    "  label_rollouts: 2\n  replay_fraction: 0.25\n")
+    c = load_config(path)
+    assert c.reward_model.train.batch_size == 4 and c.iterative.replay_fraction == 0.25
+    assert c.reward_model.label.method == "rollouts" and c.reward_model.label.rollouts == 2
+    load_config(path)  # a second read names them no more
+    lines = capsys.readouterr().err.splitlines()
+    assert "grpokit: reward_model.train_batch_size is now reward_model.train.batch_size (the old key still works)" \
+        in lines
+    assert "grpokit: reward_model.replay_fraction is now iterative.replay_fraction (the old key still works)" in lines
+    assert "grpokit: reward_model.label is now reward_model.label.method (the old key still works)" in lines
+    assert len(lines) == 4
+    path.write_text("reward_model:\n  label_rollouts: 2\n  label:\n    rollouts: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: reward_model.label_rollouts and reward_model.label.rollouts are "
+                                          r"both set.*keep only reward_model.label.rollouts"):
+        load_config(path)
+
+
+def test_an_old_override_still_works_and_names_its_new_key(capsys, fresh_notices):
+    c = load_config(overrides=["--reward_model.train_batch_size=4", "--reward_model.label=rollouts",
+                               "--sample_temperature=0.5"])
+    assert c.reward_model.train.batch_size == 4 and c.reward_model.label.method == "rollouts"
+    assert c.reward_model.data.temperature == 0.5
+    err = capsys.readouterr().err
+    assert "grpokit: reward_model.sample_temperature is now reward_model.data.temperature" in err
+    assert err.count("reward_model.train_batch_size is now") == 1
+    assert c == load_config(overrides=["--reward_model.train.batch_size=4", "--reward_model.label.method=rollouts",
+                                       "--reward_model.data.temperature=0.5"])
+    with pytest.raises(ConfigError, match=r"^reward_model.train_batch_size: expected an integer, got str 'x' \(from "
+                                          r"the command-line override --reward_model.train_batch_size=x\)$"):
+        load_config(overrides=["--reward_model.train_batch_size=x"])
+
+
+def test_an_old_saved_config_loads_and_resumes_as_the_same_settings_under_new_keys(tmp_path):
+    from grpokit.config import resume_differences
+
+    current = load_config(overrides=NEW_KEYS)
+    saved = to_dict(current)
+    saved["reward_model"], saved["iterative"] = dict(OLD_REWARD_MODEL), {"iterations": 1}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert load_config(path) == current
+    assert resume_differences(yaml.safe_load(path.read_text()), to_dict(current)) == []
+    saved["reward_model"]["batch_size"] = 16  # scoring batch: a resumed run may change it
+    assert resume_differences(saved, to_dict(current)) == []
+    saved["reward_model"]["train_batch_size"] = 8  # a real change, named by its new key
+    assert resume_differences(saved, to_dict(current)) == ["reward_model.train.batch_size: 8 -> 4"]

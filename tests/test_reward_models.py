@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from grpokit.build import ASCII_ALPHABET
-from grpokit.config import RewardModelConfig
+from grpokit.config import RewardModelConfig, RewardModelTrainConfig
 from grpokit.data import arithmetic
 from grpokit.data.reward_data import PreferencePair, StepLabelledSample
 from grpokit.math import bradley_terry_loss, step_bce_loss
@@ -97,13 +97,13 @@ def test_balanced_step_bce_golden():
 
 
 def test_hard_negative_examples_pair_or_label_each_right_solution_with_its_twins():
-    from grpokit.config import RewardModelConfig
+    from grpokit.config import RewardModelConfig, RewardModelDataConfig
     from grpokit.tasks.chain import chain_hard_negative, chain_step_labeller
     from grpokit.train.reward_model import hard_negative_examples
 
     rows = [{"prompt": "Q: 7+5-3+9\n", "answer": "18"}] * 3 + [{"prompt": "Q: 3+4\n", "answer": "7"}]
     completions = ["12-3+9\n9+9\nA: 18", "12-3+9\n9+9\nA: 18", "A: 17", "A: 7"]  # a repeat, a wrong one
-    config = RewardModelConfig(hard_negatives=3)
+    config = RewardModelConfig(data=RewardModelDataConfig(hard_negatives=3))
     pairs = hard_negative_examples("outcome", rows, completions, chain_hard_negative, None, config, seed=0)
     assert {p.chosen for p in pairs} == {"12-3+9\n9+9\nA: 18", "A: 7"}  # right solutions only, each once
     assert all(p.rejected != p.chosen and arithmetic.extract_answer(p.rejected) not in ("18", "7") for p in pairs)
@@ -243,7 +243,8 @@ def test_outcome_reward_model_learns_to_rank_and_saves_in_hugging_face_format(tm
     train, heldout = split_by_prompt(pairs, 0.25, seed=0)
     assert not {p.prompt for p in train} & {p.prompt for p in heldout}
     assert evaluate_reward_model(orm, heldout)["pairwise_accuracy"] == 0.0  # zero head: all ties, no wins
-    cfg = RewardModelConfig(kind="outcome", learning_rate=3e-3, max_steps=40, train_batch_size=16, warmup_steps=5)
+    cfg = RewardModelConfig(kind="outcome", train=RewardModelTrainConfig(learning_rate=3e-3, max_steps=40,
+                                                                         batch_size=16, warmup_steps=5))
     losses = fit_reward_model(orm, train, cfg, progress=False)
     assert sum(losses[-5:]) < sum(losses[:5])
     after = evaluate_reward_model(orm, heldout)
@@ -267,7 +268,8 @@ def test_process_reward_model_learns_step_labels():
         samples.append(StepLabelledSample(prompt, tuple(good), (True,) * len(good)))
         samples.append(StepLabelledSample(prompt, tuple(bad), tuple(j < k for j in range(len(bad)))))
     train, heldout = split_by_prompt(samples, 0.25, seed=0)
-    cfg = RewardModelConfig(kind="process", learning_rate=3e-3, max_steps=40, train_batch_size=16, warmup_steps=5)
+    cfg = RewardModelConfig(kind="process", train=RewardModelTrainConfig(learning_rate=3e-3, max_steps=40,
+                                                                         batch_size=16, warmup_steps=5))
     fit_reward_model(prm, train, cfg, progress=False)
     metrics = evaluate_reward_model(prm, heldout)
     assert metrics["step_accuracy"] >= 0.9
@@ -278,7 +280,7 @@ def test_a_reward_model_refuses_data_of_the_other_kind():
     tok, model = _tiny_rm("process")
     with pytest.raises(ValueError, match="cannot train on PreferencePair"):
         fit_reward_model(ProcessRewardModel(model, tok), [PreferencePair("q", "a", "b")],
-                         RewardModelConfig(max_steps=1), progress=False)
+                         RewardModelConfig(train=RewardModelTrainConfig(max_steps=1)), progress=False)
 
 
 # --------------------------------------------------------------------------- labels and replay

@@ -132,4 +132,5 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
     shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
     return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
                             config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
-                            hard_negative=task.hard_negative)
+                            hard_negative=task.hard_negative,
+                            replay_fraction=config.iterative.replay_fraction)

@@ -186,10 +186,10 @@ def check_reward_model_setup(config: Config) -> None:
     """Setups that could only fail after training has started, refused before any model loads."""
     rm = config.reward_model
     needs_labels = not rm.path or config.iterative.iterations > 1
-    if rm.kind == "process" and config.data.sources and needs_labels and rm.label == "rule":
+    if rm.kind == "process" and config.data.sources and needs_labels and rm.label.method == "rule":
         raise ConfigError(
             "process labels for data.sources cannot be made by rule (only the built-in task has a step checker): "
-            "set reward_model.label=rollouts to label steps from rollouts, or train a PRM with `grpokit "
+            "set reward_model.label.method=rollouts to label steps from rollouts, or train a PRM with `grpokit "
             "label-steps` + `grpokit train-rm --process --data STEPS.jsonl` and set reward_model.path to it")
 
 
@@ -299,7 +299,7 @@ def _loaded_weights_dir(config: Config, checkpoint: Path | None = None) -> str |
 
 
 def _labels_from_rollouts(config: Config) -> bool:
-    return config.reward_model.kind == "process" and config.reward_model.label == "rollouts"
+    return config.reward_model.kind == "process" and config.reward_model.label.method == "rollouts"
 
 
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
@@ -382,9 +382,9 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
 
 
 def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mode: str = NEW) -> dict:
-    """Math-Shepherd step labels: sample reward_model.samples_per_question solutions of
-    reward_model.num_questions questions from the policy, split them at reward_model.step_delimiter,
-    continue every step prefix reward_model.label_rollouts times, grade by rule, and write
+    """Math-Shepherd step labels: sample reward_model.data.samples_per_question solutions of
+    reward_model.data.num_questions questions from the policy, split them at reward_model.step_delimiter,
+    continue every step prefix reward_model.label.rollouts times, grade by rule, and write
     (prompt, steps, labels, soft_labels) records to `out`, the file `train-rm --process --data` reads."""
     check_sources(config.data.sources, config.data.skip_malformed_lines)
     rm = config.reward_model
@@ -393,7 +393,7 @@ def run_label_steps(config: Config, out: str, progress: bool = True, run_dir_mod
         policy, tokenizer = load_policy(config, trainable=False)  # it only samples
         task = task_for(config)
         rows = _limit_prompts(task.data(tokenizer, sft=False).train, config, tokenizer)
-        rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.num_questions, len(rows)))
+        rows = random.Random(f"{config.seed}-label-steps").sample(rows, min(rm.data.num_questions, len(rows)))
         model_len = _engine_model_len(config, tokenizer, [r["prompt"] for r in rows], step_prefixes=True)
         engine = make_engine(config.rollout, policy, tokenizer, config.seed, model_len, _loaded_weights_dir(config))
         sampled, completions = sample_completions(engine, rows, rm, config.grpo.max_completion_length,
@@ -423,7 +423,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
     examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
-                                     config.seed, rm.max_pairs_per_prompt) if data else None  # before the run starts
+                                     config.seed, rm.data.max_pairs_per_prompt) if data else None  # before the run starts
     with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config)
         policy, tokenizer = load_policy(config)
@@ -436,7 +436,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_
         if examples is None:
             metrics = stage.train_round(policy, 0)
         else:
-            train, heldout = split_by_prompt(examples, rm.heldout_fraction, config.seed)
+            train, heldout = split_by_prompt(examples, rm.train.heldout_fraction, config.seed)
             losses = fit_reward_model(stage.scorer, train, rm, seed=config.seed, progress=progress)
             metrics = {"round": 0, "new_examples": len(train), "heldout_examples": len(heldout),
                        "final_loss": losses[-1], **evaluate_reward_model(stage.scorer, heldout)}

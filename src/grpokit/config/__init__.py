@@ -8,7 +8,15 @@ schema.py holds the sections, each with its own rules (`problems()`); validation
 that span sections; loading.py reads YAML and overrides; resume.py says what a resumed run may change.
 """
 
-from grpokit.config.loading import apply_overrides, from_dict, load_config, resolve_key, save_config
+from grpokit.config.loading import (
+    RENAMED_KEYS,
+    apply_overrides,
+    from_dict,
+    load_config,
+    renamed_keys,
+    resolve_key,
+    save_config,
+)
 from grpokit.config.resume import RESUME_SAFE_KEYS, resume_differences
 from grpokit.config.schema import (
     Config,
@@ -23,8 +31,11 @@ from grpokit.config.schema import (
     PPOConfig,
     RewardConfig,
     RewardModelConfig,
+    RewardModelDataConfig,
+    RewardModelTrainConfig,
     RolloutConfig,
     SFTConfig,
+    StepLabelConfig,
     TaskConfig,
     TinyModelConfig,
     describe,
@@ -35,9 +46,10 @@ from grpokit.config.validation import check_world_size, cross_section_problems, 
 from grpokit.errors import ConfigError
 
 __all__ = [
-    "RESUME_SAFE_KEYS", "Config", "ConfigError", "DataConfig", "DataSource", "DistributedConfig", "EvalConfig",
-    "GRPOConfig", "IterativeConfig", "LoraConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RewardModelConfig",
-    "RolloutConfig", "SFTConfig", "TaskConfig", "TinyModelConfig", "apply_overrides", "check_world_size",
-    "cross_section_problems", "describe", "from_dict", "load_config", "opt", "resolve_key", "resume_differences",
-    "save_config", "to_dict", "validate",
+    "RENAMED_KEYS", "RESUME_SAFE_KEYS", "Config", "ConfigError", "DataConfig", "DataSource", "DistributedConfig",
+    "EvalConfig", "GRPOConfig", "IterativeConfig", "LoraConfig", "ModelConfig", "PPOConfig", "RewardConfig",
+    "RewardModelConfig", "RewardModelDataConfig", "RewardModelTrainConfig", "RolloutConfig", "SFTConfig",
+    "StepLabelConfig", "TaskConfig", "TinyModelConfig", "apply_overrides", "check_world_size",
+    "cross_section_problems", "describe", "from_dict", "load_config", "opt", "renamed_keys", "resolve_key",
+    "resume_differences", "save_config", "to_dict", "validate",
 ]

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import difflib
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Literal
@@ -19,6 +20,99 @@ import yaml
 from grpokit.config.schema import Config, leaf_paths, to_dict
 from grpokit.config.validation import validate
 from grpokit.errors import ConfigError
+
+# Keys that moved: old dotted key -> new dotted key. Wherever keys come in (YAML files, nested
+# mappings, --key=value overrides, a run's saved config.yaml) an old key reads as its new one, and
+# stderr gets one line per old key. An old key whose new key lies under it (reward_model.label ->
+# reward_model.label.method) is the old key only when it holds a single value: a mapping there is the
+# new section. Those come before the keys that move into their section.
+RENAMED_KEYS = {
+    "reward_model.label": "reward_model.label.method",
+    "reward_model.label_rollouts": "reward_model.label.rollouts",
+    "reward_model.label_skip_uniform": "reward_model.label.skip_uniform",
+    "reward_model.learning_rate": "reward_model.train.learning_rate",
+    "reward_model.max_steps": "reward_model.train.max_steps",
+    "reward_model.train_batch_size": "reward_model.train.batch_size",
+    "reward_model.warmup_steps": "reward_model.train.warmup_steps",
+    "reward_model.heldout_fraction": "reward_model.train.heldout_fraction",
+    "reward_model.balance_step_labels": "reward_model.train.balance_step_labels",
+    "reward_model.num_questions": "reward_model.data.num_questions",
+    "reward_model.samples_per_question": "reward_model.data.samples_per_question",
+    "reward_model.sample_temperature": "reward_model.data.temperature",
+    "reward_model.max_pairs_per_prompt": "reward_model.data.max_pairs_per_prompt",
+    "reward_model.hard_negatives": "reward_model.data.hard_negatives",
+    "reward_model.replay_fraction": "iterative.replay_fraction",
+}
+_announced: set[str] = set()  # the old keys already named on stderr: one line each per process
+
+
+def _announce(old: str, new: str) -> None:
+    if old not in _announced:
+        _announced.add(old)
+        print(f"grpokit: {old} is now {new} (the old key still works)", file=sys.stderr)
+
+
+def _is_old_key(old: str, value) -> bool:
+    """Whether `value` at dotted key `old` is the renamed key's, not the new section of that name."""
+    return not (RENAMED_KEYS[old].startswith(old + ".") and isinstance(value, dict))
+
+
+def renamed_keys(data: dict, announce: bool = True, moved: dict[str, str] | None = None) -> dict:
+    """`data`, a mapping of the whole config tree, with every old key of RENAMED_KEYS moved to its
+    new place (a copy; `data` is left as it is). `announce`: name each old key on stderr (once per
+    process); `moved`: filled with {new key: old key} for each key moved. Both an old key and its new
+    one in the same mapping is an error: which one means what is not clear."""
+    if not isinstance(data, dict):
+        return data
+    out = copy.deepcopy(data)
+    for old, new in RENAMED_KEYS.items():
+        *parents, leaf = old.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node or not _is_old_key(old, node[leaf]):
+            continue
+        value = node.pop(leaf)
+        *new_parents, new_leaf = new.split(".")
+        target = out
+        for part in new_parents:
+            if part not in target:
+                target[part] = {}
+            target = target[part]
+            if not isinstance(target, dict):  # not a section: pydantic names what is wrong there
+                node[leaf] = value
+                break
+        else:
+            if new_leaf in target:
+                raise ConfigError(f"{old} and {new} are both set: {old} is the old name of {new}; keep only {new}")
+            target[new_leaf] = value
+            if announce:
+                _announce(old, new)
+            if moved is not None:
+                moved[new] = old
+    return out
+
+
+def _renamed_override(key: str, value, cls) -> tuple[str, str] | None:
+    """(old key, new key) when override `key` is an old key: dotted, or the bare leaf name of one old
+    key that no key of the tree has now (`--train_batch_size`, as `--beta` is grpo.beta)."""
+    if cls is not Config:
+        return None
+    old = key if key in RENAMED_KEYS else None
+    if old is None and "." not in key and not any(p.rsplit(".", 1)[-1] == key for p in leaf_paths(cls)):
+        olds = [o for o in RENAMED_KEYS if o.rsplit(".", 1)[-1] == key]
+        old = olds[0] if len(olds) == 1 else None
+    if old is None or not _is_old_key(old, value):
+        return None
+    return old, RENAMED_KEYS[old]
+
+
+def _with_old_names(message: str, moved: dict[str, str]) -> str:
+    """`message` naming each moved key as the user wrote it (the stderr line says its new name)."""
+    for new, old in moved.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(new)}(?!\w)", old, message)
+    return message
+
 
 _EXPECTED = {"int": "expected an integer", "float": "expected a number", "bool": "expected true or false",
              "string": "expected a string", "list": "expected a list", "dataclass": "expected a mapping of keys",
@@ -61,6 +155,8 @@ def from_dict(cls, data: dict):
     """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping, got {data!r}")
+    if cls is Config:
+        data = renamed_keys(data)
     try:
         return pydantic.TypeAdapter(cls).validate_python(_yaml_switches(cls, data))
     except pydantic.ValidationError as err:
@@ -112,28 +208,39 @@ def resolve_key(key: str, cls=Config) -> str:
     raise ConfigError(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
 
 
-def apply_overrides(data: dict, overrides: list[str], cls=Config) -> dict:
-    """Apply `--key=value` (or `key=value`) overrides to a raw mapping; values are YAML scalars."""
+def apply_overrides(data: dict, overrides: list[str], cls=Config, moved: dict[str, str] | None = None) -> dict:
+    """Apply `--key=value` (or `key=value`) overrides to a raw mapping; values are YAML scalars. An old
+    key (RENAMED_KEYS) sets its new one, named on stderr; `moved` is filled as renamed_keys fills it."""
     data = copy.deepcopy(data)
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
         if "=" not in text:
             raise ConfigError(f"override {item!r} must look like --key=value")
         key, raw = text.split("=", 1)
-        path = resolve_key(key.strip(), cls).split(".")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        renamed = _renamed_override(key.strip(), value, cls)
+        if renamed is not None:
+            _announce(*renamed)
+        dotted = renamed[1] if renamed else resolve_key(key.strip(), cls)
+        if moved is not None:  # the last setting names the key, as it sets the value
+            moved.pop(dotted, None)
+            moved.update({renamed[1]: renamed[0]} if renamed else {})
+        path = dotted.split(".")
         node = data
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{part}' is not a section")
-        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[path[-1]] = value
     return data
 
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config):
     """Config from optional YAML files (later files override earlier ones, key by key) plus
-    overrides, fully validated."""
+    overrides, fully validated. Old keys (RENAMED_KEYS) set their new ones, and an error about
+    one names it as it was written."""
     data: dict = {}
+    moved: dict[str, str] = {}  # {new key: old key} of the old keys given, to name them as written in errors
     paths = [p for p in (path if isinstance(path, list) else [path]) if p is not None]
     for p in map(Path, paths):
         if not p.is_file():
@@ -144,13 +251,22 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
             raise ConfigError(f"{p}: not valid YAML ({err})") from err
         if not isinstance(layer, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+        try:
+            layer = renamed_keys(layer, moved=moved) if cls is Config else layer
+        except ConfigError as err:
+            raise ConfigError(f"{p}: {err}") from None
         data = _merge(data, layer)
-    data = apply_overrides(data, overrides or [], cls)
+    data = apply_overrides(data, overrides or [], cls, moved)
     try:
         config = from_dict(cls, data)
     except ConfigError as err:
-        raise ConfigError(_with_source(err, paths, overrides or [], cls)) from None
-    validate(config)
+        raise ConfigError(_with_old_names(_with_source(err, paths, overrides or [], cls), moved)) from None
+    try:
+        validate(config)
+    except ConfigError as err:
+        if not moved:
+            raise
+        raise ConfigError(_with_old_names(str(err), moved)) from None
     return config
 
 
@@ -159,8 +275,10 @@ def _with_source(err: ConfigError, paths: list, overrides: list[str], cls) -> st
     (the last one wins, as in apply_overrides), else the YAML file."""
     key = err.key
     for item in reversed(overrides):
+        name = item.removeprefix("--").split("=", 1)[0].strip()
         try:
-            dotted = resolve_key(item.removeprefix("--").split("=", 1)[0].strip(), cls)
+            renamed = _renamed_override(name, None, cls)
+            dotted = renamed[1] if renamed else resolve_key(name, cls)
         except ConfigError:
             continue
         if key == dotted or key.startswith((dotted + ".", dotted + "[")):

@@ -3,7 +3,7 @@ resumed run accepts (those that do not change what it computes)."""
 
 from __future__ import annotations
 
-from grpokit.config.loading import from_dict
+from grpokit.config.loading import from_dict, renamed_keys
 from grpokit.config.schema import Config, to_dict
 from grpokit.errors import ConfigError
 
@@ -30,10 +30,15 @@ def _flatten(data, prefix: str = "") -> dict:
 def resume_differences(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for every key that differs and matters for an exact resume. A key
     added to grpokit after the run was saved compares as its default (a run from an older version
-    still resumes), whenever the saved config still reads as one."""
+    still resumes), whenever the saved config still reads as one. A key since renamed compares under
+    its new name (quietly: the saved file is grpokit's, not something the user wrote)."""
+    try:
+        saved = renamed_keys(saved, announce=False)
+    except ConfigError:
+        pass
     try:
         saved = to_dict(from_dict(Config, saved))
-    except ConfigError:  # a key since removed or renamed: compare the files as written
+    except ConfigError:  # a key since removed: compare the files as written
         pass
     a, b = _flatten(saved), _flatten(current)
     out = []

@@ -337,6 +337,58 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelTrainConfig:
+    learning_rate: float = opt(2e-4, "AdamW learning rate of reward-model training (the paper: 2e-5 at 7B)")
+    max_steps: int = opt(400, "optimizer steps of each reward-model training run")
+    batch_size: int = opt(32, "pairs (outcome) or completions (process) per training step")
+    warmup_steps: int = opt(20, "linear warm-up steps of reward-model training")
+    heldout_fraction: float = opt(0.1, "share of questions kept out of training to measure accuracy")
+    balance_step_labels: bool = opt(False, "process RM: weigh right and wrong steps equally in the loss")
+
+    def problems(self) -> Iterator[str]:
+        """This section's own rules."""
+        return failed([
+            *_bounds(self, "reward_model.train", positive=("learning_rate",), counts=("batch_size", "max_steps"),
+                     non_negative=("warmup_steps",)),
+            (0 < self.heldout_fraction < 1, "reward_model.train.heldout_fraction must lie in (0, 1)"),
+        ])
+
+
+@dataclass
+class RewardModelDataConfig:
+    num_questions: int = opt(1000, "questions whose policy samples become reward-model training data")
+    samples_per_question: int = opt(8, "policy samples per question, graded by the verifier")
+    temperature: float = opt(1.0, "sampling temperature for reward-model data (diversity gives negatives)")
+    max_pairs_per_prompt: int = opt(8, "outcome: at most this many (correct, incorrect) pairs per question")
+    hard_negatives: int = opt(0, "built-in task: one-slip twins added per right training solution (one result off "
+                                 "by 1-3, the rest carried on from it): outcome pairs (right, twin), or step labels "
+                                 "by the rule; held-out data stays real samples")
+
+    def problems(self) -> Iterator[str]:
+        """This section's own rules."""
+        return failed([
+            *_bounds(self, "reward_model.data", positive=("temperature",),
+                     counts=("num_questions", "samples_per_question", "max_pairs_per_prompt")),
+            (self.hard_negatives >= 0, "reward_model.data.hard_negatives must be >= 0"),
+        ])
+
+
+@dataclass
+class StepLabelConfig:
+    method: Literal["rule", "rollouts"] = opt(
+        "rule", "where process labels come from: rule (the task's step checker) or rollouts (Math-Shepherd: a step "
+                "is right when one of label.rollouts completions of its prefix reaches the reference answer)")
+    rollouts: int = opt(8, "rollouts labels: completions sampled from each step prefix")
+    skip_uniform: bool = opt(
+        True, "rollouts labels: a question whose samples are all right (or all wrong) gets no rollouts; false "
+              "rolls those out too, which labels every step of all-wrong questions at N rollouts per step prefix")
+
+    def problems(self) -> Iterator[str]:
+        """This section's own rules."""
+        return failed([(self.rollouts >= 1, "reward_model.label.rollouts must be >= 1")])
+
+
+@dataclass
 class RewardModelConfig:
     kind: Literal["none", "outcome", "process"] = opt(
         "none", "learned reward: none, outcome (a scalar per completion; outcome supervision) or process "
@@ -346,50 +398,33 @@ class RewardModelConfig:
     step_delimiter: str = opt("\n", "what ends a reasoning step for a process reward model (e.g. \\n\\n, or a tag)")
     device: str = opt("auto", "where the reward model runs: auto, cpu, cuda or cuda:N (may differ from the policy)")
     batch_size: int = opt(64, "completions per reward-model forward pass when scoring")
-    learning_rate: float = opt(2e-4, "AdamW learning rate of reward-model training (the paper: 2e-5 at 7B)")
-    max_steps: int = opt(400, "optimizer steps of each reward-model training run")
-    train_batch_size: int = opt(32, "pairs (outcome) or completions (process) per training step")
-    warmup_steps: int = opt(20, "linear warm-up steps of reward-model training")
-    heldout_fraction: float = opt(0.1, "share of questions kept out of training to measure accuracy")
-    num_questions: int = opt(1000, "questions whose policy samples become reward-model training data")
-    samples_per_question: int = opt(8, "policy samples per question, graded by the verifier")
-    sample_temperature: float = opt(1.0, "sampling temperature for reward-model data (diversity gives negatives)")
-    max_pairs_per_prompt: int = opt(8, "outcome: at most this many (correct, incorrect) pairs per question")
-    replay_fraction: float = opt(0.1, "iterative GRPO: share of historical data kept in the replay buffer")
-    label: Literal["rule", "rollouts"] = opt(
-        "rule", "where process labels come from: rule (the task's step checker) or rollouts (Math-Shepherd: a step "
-                "is right when one of label_rollouts completions of its prefix reaches the reference answer)")
-    label_rollouts: int = opt(8, "rollouts labels: completions sampled from each step prefix")
-    hard_negatives: int = opt(0, "built-in task: one-slip twins added per right training solution (one result off "
-                                 "by 1-3, the rest carried on from it): outcome pairs (right, twin), or step labels "
-                                 "by the rule; held-out data stays real samples")
-    balance_step_labels: bool = opt(False, "process RM: weigh right and wrong steps equally in the loss")
-    label_skip_uniform: bool = opt(
-        True, "rollouts labels: a question whose samples are all right (or all wrong) gets no rollouts; false "
-              "rolls those out too, which labels every step of all-wrong questions at N rollouts per step prefix")
+    train: RewardModelTrainConfig = opt(RewardModelTrainConfig, "training the reward model")
+    data: RewardModelDataConfig = opt(RewardModelDataConfig, "its training data from the policy's own graded "
+                                                             "samples")
+    label: StepLabelConfig = opt(StepLabelConfig, "process reward model: where its step labels come from")
 
     def problems(self) -> Iterator[str]:
-        """This section's own rules."""
-        return failed([
-            *_bounds(self, "reward_model", positive=("learning_rate", "sample_temperature"),
-                     counts=("batch_size", "train_batch_size", "max_steps", "num_questions", "samples_per_question",
-                             "max_pairs_per_prompt"), non_negative=("warmup_steps",)),
+        """This section's own rules, then those of reward_model.train, .data and .label."""
+        yield from failed([
+            *_bounds(self, "reward_model", counts=("batch_size",)),
             (self.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
-            (0 <= self.replay_fraction <= 1, "reward_model.replay_fraction must lie in [0, 1]"),
-            (0 < self.heldout_fraction < 1, "reward_model.heldout_fraction must lie in (0, 1)"),
-            (self.label_rollouts >= 1, "reward_model.label_rollouts must be >= 1"),
-            (self.hard_negatives >= 0, "reward_model.hard_negatives must be >= 0"),
         ])
+        for section in (self.train, self.data, self.label):
+            yield from section.problems()
 
 
 @dataclass
 class IterativeConfig:
     iterations: int = opt(1, "iterative GRPO (Algorithm 1): GRPO, then retrain the reward model on fresh policy "
                              "samples with replay, then pi_ref <- pi_theta; grpo.max_steps is split over them")
+    replay_fraction: float = opt(0.1, "iterative GRPO: share of historical data kept in the replay buffer")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
-        return failed([(self.iterations >= 1, f"iterative.iterations must be >= 1, got {self.iterations}")])
+        return failed([
+            (self.iterations >= 1, f"iterative.iterations must be >= 1, got {self.iterations}"),
+            (0 <= self.replay_fraction <= 1, "iterative.replay_fraction must lie in [0, 1]"),
+        ])
 
 
 @dataclass

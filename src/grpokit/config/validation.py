@@ -35,8 +35,8 @@ def cross_section_problems(config: Config) -> Iterator[str]:
         (rm.kind != "process" or g.scale_rewards,
          "grpo.scale_rewards=false is not defined for process supervision: eq. 6 normalises step rewards by "
          "their group std"),
-        (rm.hard_negatives == 0 or not (config.data.sources or config.data.sft_sources),
-         "reward_model.hard_negatives needs the built-in task, whose rule makes and labels the one-slip twins: "
+        (rm.data.hard_negatives == 0 or not (config.data.sources or config.data.sft_sources),
+         "reward_model.data.hard_negatives needs the built-in task, whose rule makes and labels the one-slip twins: "
          "set it to 0 for data.sources"),
         (iterations == 1 or rm.kind != "none",
          "iterative.iterations > 1 refreshes a reward model: set reward_model.kind to outcome or process"),

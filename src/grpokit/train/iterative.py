@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from grpokit.checkpoint import save_checkpoint
-from grpokit.config import RewardModelConfig
+from grpokit.config import IterativeConfig, RewardModelConfig
 from grpokit.data.reward_data import write_jsonl
 from grpokit.rewards.learned import RewardModelInfo, save_reward_model
 from grpokit.rollout import HFEngine
@@ -46,7 +46,7 @@ class RewardModelStage:
     """Trains (and retrains) the reward model that `scorer` wraps, on graded policy samples.
 
     rows: questions to sample from (each with what `grade` needs); every round takes the next
-    config.num_questions of them, so each round sees fresh questions."""
+    config.data.num_questions of them, so each round sees fresh questions."""
 
     scorer: object
     tokenizer: object
@@ -59,17 +59,18 @@ class RewardModelStage:
     seed: int = 0
     progress: bool = True
     engine: object = None  # the policy's rollout engine; None: transformers' generate on the policy given
-    hard_negative: Callable | None = None  # the task's one-slip twin maker (reward_model.hard_negatives)
+    hard_negative: Callable | None = None  # the task's one-slip twin maker (reward_model.data.hard_negatives)
+    replay_fraction: float = IterativeConfig().replay_fraction  # iterative.replay_fraction
 
     def __post_init__(self) -> None:
-        self.buffer = ReplayBuffer(self.run_dir / "replay_buffer.jsonl", self.config.replay_fraction, self.seed)
+        self.buffer = ReplayBuffer(self.run_dir / "replay_buffer.jsonl", self.replay_fraction, self.seed)
 
     @property
     def kind(self) -> str:
         return self.scorer.kind
 
     def _questions(self, round_index: int) -> list[dict]:
-        n = self.config.num_questions
+        n = self.config.data.num_questions
         start = (round_index * n) % max(1, len(self.rows))
         return (self.rows[start:] + self.rows[:start])[:n]
 
@@ -80,7 +81,7 @@ class RewardModelStage:
         engine = self.engine or HFEngine(policy, self.tokenizer)
         rows, completions = sample_completions(engine, self._questions(round_index), cfg,
                                                self.max_new_tokens, progress=self.progress)
-        if self.kind == "process" and cfg.label == "rollouts":
+        if self.kind == "process" and cfg.label.method == "rollouts":
             examples, _ = rollout_step_examples(engine, rows, completions, self.grade, cfg, self.max_new_tokens)
         else:
             examples = build_examples(self.kind, rows, completions, self.grade, self.step_labeller, cfg,
@@ -93,10 +94,10 @@ class RewardModelStage:
             raise RewardModelDataError(
                 f"no reward-model training data: of {len(completions)} policy samples {correct} were correct, and "
                 f"no question had both a correct and an incorrect one to pair. Sample more "
-                f"(reward_model.num_questions, reward_model.samples_per_question), raise "
-                f"reward_model.sample_temperature, or start from a better-trained policy")
-        train, heldout = split_by_prompt(examples, cfg.heldout_fraction, self.seed + round_index)
-        if cfg.hard_negatives:  # training questions only: held-out accuracy stays on real samples
+                f"(reward_model.data.num_questions, reward_model.data.samples_per_question), raise "
+                f"reward_model.data.temperature, or start from a better-trained policy")
+        train, heldout = split_by_prompt(examples, cfg.train.heldout_fraction, self.seed + round_index)
+        if cfg.data.hard_negatives:  # training questions only: held-out accuracy stays on real samples
             heldout_prompts = {x.prompt for x in heldout}
             kept = [(r, c) for r, c in zip(rows, completions) if r["prompt"] not in heldout_prompts]
             train += hard_negative_examples(self.kind, [r for r, _ in kept], [c for _, c in kept],
@@ -149,7 +150,7 @@ def rm_headline(metrics: dict) -> str:
         return (f"step accuracy {metrics['step_accuracy']:.1%} on {metrics['steps']} steps "
                 f"(right steps {metrics['step_accuracy_on_right_steps']:.1%}, "
                 f"wrong steps {metrics['step_accuracy_on_wrong_steps']:.1%})")
-    return "not measured (no held-out examples; raise reward_model.num_questions)"
+    return "not measured (no held-out examples; raise reward_model.data.num_questions)"
 
 
 def save_iteration(trainer, stage: RewardModelStage, k: int) -> Path:

@@ -64,7 +64,7 @@ def _batch_loss(scorer, batch: list[Example], balance: bool = False) -> torch.Te
 
 def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, seed: int = 0,
                      progress: bool = True, desc: str = "reward model") -> list[float]:
-    """Train `scorer.model` in place for config.max_steps; returns each step's loss."""
+    """Train `scorer.model` in place for config.train.max_steps; returns each step's loss."""
     if not train:
         raise RewardModelDataError("no reward-model training data: no preference pairs or step-labelled samples "
                                    "were built")
@@ -72,22 +72,22 @@ def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, se
     if not kind_ok:
         raise ValueError(f"a {scorer.kind} reward model cannot train on {type(train[0]).__name__} data")
     model = scorer.model
-    optimizer = make_optimizer(model, config.learning_rate, 0.0)
-    scheduler = warmup_cosine(optimizer, config.warmup_steps, config.max_steps)
+    optimizer = make_optimizer(model, config.train.learning_rate, 0.0)
+    scheduler = warmup_cosine(optimizer, config.train.warmup_steps, config.train.max_steps)
     rng = random.Random(f"{seed}-rm-order")
     order: list[int] = []
     losses = []
     model.train()
-    bar = progress_bar(range(config.max_steps), desc=desc, unit="step", enabled=progress)
+    bar = progress_bar(range(config.train.max_steps), desc=desc, unit="step", enabled=progress)
     for _ in bar:
-        if len(order) < config.train_batch_size:
+        if len(order) < config.train.batch_size:
             order += rng.sample(range(len(train)), len(train))
-        batch = [train[i] for i in order[: config.train_batch_size]]
-        del order[: config.train_batch_size]
-        loss = _batch_loss(scorer, batch, balance=config.balance_step_labels)
+        batch = [train[i] for i in order[: config.train.batch_size]]
+        del order[: config.train.batch_size]
+        loss = _batch_loss(scorer, batch, balance=config.train.balance_step_labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"reward-model loss became {loss.item()} at step {len(losses)}; "
-                                     "lower reward_model.learning_rate")
+                                     "lower reward_model.train.learning_rate")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -134,16 +134,16 @@ def evaluate_reward_model(scorer, heldout: list[Example]) -> dict:
 
 def sample_completions(engine, rows: list[dict], config: RewardModelConfig, max_new_tokens: int,
                        batch_size: int = 512, progress: bool = True) -> tuple[list[dict], list[str]]:
-    """config.samples_per_question completions of each row's prompt from the policy, through its
+    """config.data.samples_per_question completions of each row's prompt from the policy, through its
     rollout `engine`: (the row of each sample, the completions)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.sample_temperature,
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.data.temperature,
                             batch_size=batch_size)
     out_rows, completions = [], []
-    chunk = max(1, batch_size // config.samples_per_question)
+    chunk = max(1, batch_size // config.data.samples_per_question)
     for start in progress_bar(range(0, len(rows), chunk), desc="sampling for the reward model", unit="batch",
                               enabled=progress and len(rows) > chunk):
         part = rows[start : start + chunk]
-        rollout = engine.generate([r["prompt"] for r in part], config.samples_per_question, params, part)
+        rollout = engine.generate([r["prompt"] for r in part], config.data.samples_per_question, params, part)
         out_rows += rollout.rows
         completions += rollout.completions
     return out_rows, completions
@@ -155,7 +155,7 @@ def build_examples(kind: str, rows: list[dict], completions: list[str], grade: C
     """Graded samples -> training examples: preference pairs (outcome) or step-labelled samples (process)."""
     if kind == "outcome":
         graded = [GradedSample(r["prompt"], c, ok) for r, c, ok in zip(rows, completions, grade(rows, completions))]
-        return pairs_from_graded(graded, seed=seed, max_pairs_per_prompt=config.max_pairs_per_prompt)
+        return pairs_from_graded(graded, seed=seed, max_pairs_per_prompt=config.data.max_pairs_per_prompt)
     if step_labeller is None:
         raise ValueError("process labels need a step labeller; for data other than the built-in task, "
                          "train the PRM from a step-labelled file (grpokit train-rm --process --data FILE)")
@@ -170,12 +170,12 @@ def hard_negative_examples(kind: str, rows: list[dict], completions: list[str],
                            make_twin: Callable[[dict, str, random.Random], str | None] | None,
                            step_labeller: Callable[[dict, list[str]], list[bool]] | None,
                            config: RewardModelConfig, seed: int) -> list[Example]:
-    """config.hard_negatives one-slip twins of each distinct right solution among `completions`
+    """config.data.hard_negatives one-slip twins of each distinct right solution among `completions`
     (`make_twin` gives None for any other): outcome pairs (the solution over its twin), or the
     twins with the rule's step labels (process). The surface is the policy's own; only the
     arithmetic of one step differs, which is what a reward model has to learn to see."""
     if make_twin is None or (kind == "process" and step_labeller is None):
-        raise ValueError("reward_model.hard_negatives needs a task whose rule makes one-slip twins and labels "
+        raise ValueError("reward_model.data.hard_negatives needs a task whose rule makes one-slip twins and labels "
                          "their steps (the built-in task); set it to 0")
     rng = random.Random(f"{seed}-hard-negatives")
     seen: set[tuple[str, str]] = set()
@@ -184,7 +184,7 @@ def hard_negative_examples(kind: str, rows: list[dict], completions: list[str],
         if (row["prompt"], completion) in seen:
             continue
         seen.add((row["prompt"], completion))
-        twins = [make_twin(row, completion, rng) for _ in range(config.hard_negatives)]
+        twins = [make_twin(row, completion, rng) for _ in range(config.data.hard_negatives)]
         for twin in dict.fromkeys(t for t in twins if t is not None):  # distinct, in order
             if kind == "outcome":
                 examples.append(PreferencePair(row["prompt"], completion, twin))
@@ -197,9 +197,9 @@ def hard_negative_examples(kind: str, rows: list[dict], completions: list[str],
 def rollout_step_examples(engine, rows: list[dict], completions: list[str], grade, config: RewardModelConfig,
                           max_new_tokens: int, progress: bool = False) -> tuple[list[StepLabelledSample], dict]:
     """Process labels from rollouts (Math-Shepherd): each step prefix of each sampled completion
-    is continued config.label_rollouts times through the policy's engine and graded; a step is
+    is continued config.label.rollouts times through the policy's engine and graded; a step is
     right when any continuation reaches the reference. Returns (examples, label_steps' stats)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.sample_temperature)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=config.data.temperature)
 
     def complete(prefixes: list[str], n: int) -> list[list[str]]:
         done = engine.generate(prefixes, n, params).completions
@@ -210,9 +210,9 @@ def rollout_step_examples(engine, rows: list[dict], completions: list[str], grad
         by_prompt.setdefault(row["prompt"], (row, []))[1].append(completion)
     grouped = list(by_prompt.values())
     records, stats = label_steps([r for r, _ in grouped], [c for _, c in grouped], complete, grade,
-                                 config.label_rollouts, config.step_delimiter,
-                                 batch_size=max(1, 512 // config.label_rollouts),
-                                 skip_uniform=config.label_skip_uniform)
+                                 config.label.rollouts, config.step_delimiter,
+                                 batch_size=max(1, 512 // config.label.rollouts),
+                                 skip_uniform=config.label.skip_uniform)
     return [StepLabelledSample(r["prompt"], tuple(r["steps"]), tuple(r["labels"])) for r in records], stats
 
 
