@@ -235,10 +235,12 @@ def apply_overrides(data: dict, overrides: list[str], cls=Config, moved: dict[st
     return data
 
 
-def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config):
+def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config,
+                announce_renames: bool = True):
     """Config from optional YAML files (later files override earlier ones, key by key) plus
     overrides, fully validated. Old keys (RENAMED_KEYS) set their new ones, and an error about
-    one names it as it was written."""
+    one names it as it was written; `announce_renames=False` for a file grpokit wrote itself (a
+    run's config.yaml), whose old keys are no news to the user."""
     data: dict = {}
     moved: dict[str, str] = {}  # {new key: old key} of the old keys given, to name them as written in errors
     paths = [p for p in (path if isinstance(path, list) else [path]) if p is not None]
@@ -252,7 +254,7 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
         if not isinstance(layer, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config keys")
         try:
-            layer = renamed_keys(layer, moved=moved) if cls is Config else layer
+            layer = renamed_keys(layer, announce_renames, moved) if cls is Config else layer
         except ConfigError as err:
             raise ConfigError(f"{p}: {err}") from None
         data = _merge(data, layer)

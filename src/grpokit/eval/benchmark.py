@@ -97,7 +97,7 @@ def run_config(model_path: str) -> Config | None:
     path = Path(model_path)
     for candidate in (path / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
         if path.is_dir() and candidate.is_file():
-            return load_config(candidate)
+            return load_config(candidate, announce_renames=False)
     return None
 
 

@@ -16,7 +16,11 @@ MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
 PLAIN_LAYOUT = PLAIN_LAYOUTS["user-assistant"]  # a model's layout without a chat template and without a run's settings
 
 
-def describe_prompt_format(layout: str) -> str:
+def describe_prompt_format(layout: str, prompt_layout: str | None = None) -> str:
+    """How the prompts were laid out: the chat template, DeepSeekMath's plain layout, or (for a
+    run's checkpoint without a chat template) its task's own prompts, as results.json records."""
+    if layout == "plain" and prompt_layout and prompt_layout != PLAIN_LAYOUT:
+        return prompt_layout
     return f"plain {json.dumps(PLAIN_LAYOUT)}" if layout == "plain" else layout
 
 
@@ -66,7 +70,7 @@ def report_markdown(results: dict) -> str:
     rows = [[results["model"], *(_percent(cells[d][m]["accuracy"]) for d, m in columns)]]
     for key in (f"maj@{k}", f"pass@{k}") if k else ():
         rows.append([key, *(_percent(cells[d][m].get(key)) for d, m in columns)])
-    about = [f"engine {results['engine']}", f"prompts: {describe_prompt_format(results['prompt_format'])}"]
+    about = [f"engine {results['engine']}", f"prompts: {describe_prompt_format(results['prompt_format'], results.get('prompt_layout'))}"]
     if settings.get("max_new_tokens") is not None:
         about.append(f"max_new_tokens {settings['max_new_tokens']}, max_tool_calls {settings['max_tool_calls']}")
     if k:
