@@ -396,3 +396,76 @@ def test_hf_multi_turn_rollout_with_the_calculator_and_a_training_step(tool_mode
     assert record["tool/calls_mean"] == engine.last.metrics()["tool/calls_mean"]
     assert record["tool/stop_answer_frac"] + record["tool/stop_length_frac"] + record["tool/stop_tool_limit_frac"] \
         + record["tool/stop_no_program_frac"] + record["tool/stop_tool_error_frac"] == pytest.approx(1.0)
+
+
+def test_grpokit_train_samples_tool_integrated_prompts_through_the_tool(tmp_path):
+    """`grpokit train` with rollout.tool and tir in task.prompt_modes: the tir share of questions
+    gets the task's tool-integrated prompts, rollouts go through the tool, and every step logs the
+    tool's numbers; the run writes all its files."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", f"--output_dir={run}", "--grpo.max_steps=2",
+                           "--prompts_per_step=4", "--num_generations=2", "--max_completion_length=24", "--eval.k=1",
+                           "--task.num_eval_questions=8", "--model.tiny.alphabet=arithmetic-tir",
+                           "--rollout.tool=python", "--task.prompt_modes={cot: 0.5, tir: 0.5}", "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        stops = sum(row[f"tool/stop_{reason}_frac"] for reason in
+                    ("answer", "length", "tool_limit", "no_program", "tool_error"))
+        assert abs(stops - 1.0) < 1e-9 and {"tool/calls_mean", "tool/seconds", "tool/output_token_frac"} <= set(row)
+    for name in ("summary.json", "results.md", "heldout.jsonl", "heldout-after.jsonl", "config.yaml"):
+        assert (run / name).is_file(), name
+
+
+def test_tir_prompt_modes_follow_a_fixed_hash_of_the_question():
+    from grpokit.config import Config, ConfigError
+    from grpokit.data import arithmetic
+    from grpokit.models import build_char_tokenizer
+    from grpokit.tasks.base import with_prompt_modes
+    from grpokit.tasks.chain import ChainTask
+
+    config = Config()
+    config.task.num_rl_questions = 400
+    task, tokenizer = ChainTask(config), build_char_tokenizer(arithmetic.TIR_ALPHABET)
+    rows = task.data(tokenizer, sft=False).train
+    assert with_prompt_modes(task, rows, {"cot": 1.0}, tokenizer) is rows  # all-CoT: the rows as they are
+    mixed = with_prompt_modes(task, rows, {"cot": 0.5, "tir": 0.5}, tokenizer)
+    tir = [r for r in mixed if r["mode"] == "tir"]
+    assert 150 < len(tir) < 250  # about half
+    assert all(r["prompt"] == arithmetic.format_tir_prompt(r["question"]) for r in tir)
+    assert all(r["prompt"] == arithmetic.format_prompt(r["question"]) for r in mixed if r["mode"] == "cot")
+    again = with_prompt_modes(task, list(reversed(rows)), {"cot": 1.0, "tir": 1.0}, tokenizer)
+    assert {r["question"] for r in again if r["mode"] == "tir"} == {r["question"] for r in tir}  # not the order
+    no_programs = build_char_tokenizer(arithmetic.ALPHABET)
+    with pytest.raises(ConfigError, match=r"task.prompt_modes gives tir a share, but task 'chain' has no"):
+        with_prompt_modes(task, rows, {"tir": 1.0}, no_programs)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--rollout.tool=pyth"], "rollout.tool='pyth' is not a registered tool; registered: .*python"),
+    (["--rollout.tool=python", "--rollout.tool_args={bogus: 1}"], "do not suit the python tool"),
+    (["--rollout.tool_args={timeout_s: 5}"], "but no rollout.tool: name the tool they are for"),
+    (["--task.prompt_modes={cot: 0.5, tir: 0.5}"], "asks for tool-integrated prompts, whose completions call a tool"),
+    (["--rollout.tool=python", "--rollout.max_tool_calls=0"], "rollout.max_tool_calls must be >= 1, got 0"),
+    (["--task.prompt_modes={xot: 1}"], r"task.prompt_modes takes the modes cot and tir, got \['xot'\]"),
+    (["--task.prompt_modes={cot: 0}"], "task.prompt_modes' shares must be >= 0 and not all 0"),
+])
+def test_tool_keys_that_cannot_work_are_config_errors(overrides, message):
+    from grpokit.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_tool_rollouts_under_torchrun_are_refused_before_any_model_loads():
+    from grpokit.config import ConfigError, check_world_size, load_config
+
+    config = load_config(None, ["--rollout.tool=python", "--grpo.prompts_per_step=4"])
+    with pytest.raises(ConfigError, match=r"rollout.tool \(multi-turn tool rollouts.*not supported under torchrun"):
+        check_world_size(config, 2)

@@ -45,7 +45,10 @@ from grpokit.resume import keep_rounds, resume_point
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
 from grpokit.rundir import CLAIMED, NEW, claim_run_dir
 from grpokit.runlock import RunLock
+from grpokit.rollout.multi_turn import ToolEngine
 from grpokit.tasks import task_for
+from grpokit.tasks.base import with_prompt_modes
+from grpokit.tools import make_tool
 from grpokit.eval.evaluate import evaluate_task
 from grpokit.eval.questions import write_heldout
 from grpokit.eval.records import write_heldout_completions
@@ -302,6 +305,15 @@ def _labels_from_rollouts(config: Config) -> bool:
     return config.reward_model.kind == "process" and config.reward_model.label.method == "rollouts"
 
 
+
+def _rl_engine(config: Config, engine, tokenizer):
+    """What RL samples from: with rollout.tool, multi-turn rollouts that call the tool (its output
+    masked out of the loss); evaluation keeps `engine` itself."""
+    if not config.rollout.tool:
+        return engine
+    tool = make_tool(config.rollout.tool, **config.rollout.tool_args)
+    return ToolEngine(engine, tokenizer, tool, config.rollout.max_tool_calls)
+
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
               timings: dict | None = None, started: float | None = None, run_dir_mode: str = NEW) -> dict:
     """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
@@ -320,7 +332,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         model, tokenizer, ref_model = _policy_for_run(config, checkpoint)
         model, ref_model = _shard_for_run(config, model, ref_model)
         data = task.data(tokenizer, sft=False)
-        rows, heldout = _limit_prompts(data.train, config, tokenizer), _heldout_rows(data.heldout, config, tokenizer)
+        rows = _limit_prompts(with_prompt_modes(task, data.train, config.task.prompt_modes, tokenizer), config, tokenizer)
+        heldout = _heldout_rows(data.heldout, config, tokenizer)
         if heldout and distributed.is_main():
             write_heldout(run_dir, heldout)  # what `grpokit eval RUN_DIR` evaluates
         print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
@@ -348,7 +361,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             timings["reward_model_seconds"] = time.perf_counter() - t
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
-                               reward_scorer=stage.scorer if stage else None, engine=engine)
+                               reward_scorer=stage.scorer if stage else None, engine=_rl_engine(config, engine, tokenizer))
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             if distributed.is_main():

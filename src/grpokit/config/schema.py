@@ -18,6 +18,7 @@ from grpokit.loggers import TrackerError, check_trackers
 from grpokit.math import registry
 from grpokit.rewards.registry import reward_function
 from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
+from grpokit.tools import TOOLS  # the package import registers every tool
 
 
 def opt(default: Any, help: str) -> Any:
@@ -144,11 +145,20 @@ class TaskConfig:
                                           "on other questions, in addition to num_sft_examples; 0 = none")
     num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
     num_eval_questions: int = opt(500, "held-out questions for evaluation")
+    prompt_modes: dict[str, float] = opt({"cot": 1.0}, "share of RL prompts in each mode, by a fixed hash of the "
+                                                       "question: cot (chain-of-thought), tir (the task's "
+                                                       "tool-integrated prompts, with rollout.tool), e.g. "
+                                                       "{cot: 0.5, tir: 0.5}")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules (task.name is checked with the rewards, in grpokit.config.validation)."""
-        return failed([(self.num_sft_tir_examples >= 0,
-                        f"task.num_sft_tir_examples must be >= 0, got {self.num_sft_tir_examples}")])
+        modes = self.prompt_modes
+        yield from failed([
+            (self.num_sft_tir_examples >= 0, f"task.num_sft_tir_examples must be >= 0, got {self.num_sft_tir_examples}"),
+            (set(modes) <= {"cot", "tir"}, f"task.prompt_modes takes the modes cot and tir, got {sorted(modes)}"),
+            (all(share >= 0 for share in modes.values()) and sum(modes.values()) > 0,
+             f"task.prompt_modes' shares must be >= 0 and not all 0, got {modes}"),
+        ])
 
 
 @dataclass
@@ -450,6 +460,12 @@ class RolloutConfig:
     is_cap: float = opt(2.0, "tis: the cap C of its weight; the older key for rollout.is_args: {cap: C}, which wins")
     is_args: dict[str, Any] = opt({}, "arguments of rollout.is_correction, e.g. tis: {cap: 2.0}, icepop: "
                                       "{low: 0.5, high: 2.0} (the defaults)")
+    tool: str = opt("", "a registered tool the policy may call mid-completion in RL rollouts (python: the "
+                        "sandbox, DeepSeekMath's TIR), its output masked out of the loss; empty = none")
+    max_tool_calls: int = opt(2, "with rollout.tool: rounds of generation per completion, each may end in a "
+                                 "tool call (as eval.max_tool_calls)")
+    tool_args: dict[str, Any] = opt({}, "options of rollout.tool, e.g. python: {timeout_s: 10.0, program: "
+                                        "cumulative} (the defaults)")
 
     def correction_args(self) -> dict[str, Any]:
         """is_args as rollout.is_correction receives them: for tis, is_cap is its cap unless is_args names one."""
@@ -467,7 +483,17 @@ class RolloutConfig:
              f"rollout.gpu_memory_utilization must lie in (0, 1), got {r.gpu_memory_utilization}: it is the "
              f"fraction of GPU memory vLLM takes beside training, e.g. 0.5"),
             (r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"),
+            (r.max_tool_calls >= 1, f"rollout.max_tool_calls must be >= 1, got {r.max_tool_calls}"),
+            (not r.tool or r.tool in TOOLS,
+             f"rollout.tool={r.tool!r} is not a registered tool; registered: {', '.join(sorted(TOOLS))}"),
+            (bool(r.tool) or not r.tool_args, f"rollout.tool_args={r.tool_args} but no rollout.tool: name the tool "
+                                               "they are for, or drop them"),
         ])
+        if r.tool in TOOLS:
+            try:
+                TOOLS[r.tool](**r.tool_args)
+            except (TypeError, ValueError) as err:
+                yield f"rollout.tool_args={r.tool_args} do not suit the {r.tool} tool: {err}"
         if r.is_correction != "none":
             yield from _refusal(lambda: registry.check_args(registry.is_correction(r.is_correction),
                                                            r.correction_args(), "rollout.is_args"))

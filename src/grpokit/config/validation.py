@@ -52,13 +52,16 @@ def cross_section_problems(config: Config) -> Iterator[str]:
         (model.lora.r == 0 or iterations == 1,
          "iterative.iterations > 1 resets pi_ref to pi_theta, which LoRA's reference (the base model under the "
          "adapters) cannot follow: use model.lora.r=0"),
+        (config.task.prompt_modes.get("tir", 0) == 0 or bool(config.rollout.tool),
+         f"task.prompt_modes={config.task.prompt_modes} asks for tool-integrated prompts, whose completions call a "
+         f"tool: set rollout.tool (registered: python), or give tir a share of 0"),
     ])
     yield from _task_problems(config)
 
 
 def _named_task(config: Config):
     """The task class task.name names, None for auto; ValueError when it names none."""
-    # tasks sit above config (they import it, through eval): the one import against the layers,
+    # tasks sit above config (they import it): the one import against the layers,
     # listed in pyproject.toml's ignore_imports; in here so that importing config does not cycle
     from grpokit.tasks.registry import task_class
 
@@ -119,6 +122,7 @@ def check_world_size(config: Config, world_size: int, per_node: int | None = Non
         (g.dynamic_sampling, "grpo.dynamic_sampling"),
         (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),
         (config.iterative.iterations > 1, "iterative.iterations > 1"),
+        (bool(config.rollout.tool), "rollout.tool (multi-turn tool rollouts: each process's rounds differ)"),
     ]
     for on, key in unsupported:
         if on:

@@ -248,3 +248,9 @@ class ToolEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+    def __getattr__(self, name: str):
+        """Whatever else the loop asks of an engine (check_synced, max_model_len, ...) is the wrapped engine's."""
+        if name == "engine":  # not set yet (unpickling, a half-built wrapper): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)

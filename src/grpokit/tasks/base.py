@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from grpokit.config import Config
+from grpokit.data.split import heldout_position
+from grpokit.errors import ConfigError
+from grpokit.tasks.registry import task_class
 
 
 @dataclass
@@ -47,9 +50,28 @@ class Task(Protocol):
 def task_for(config: Config) -> Task:
     """The task task.name names. "auto": the files' math questions when the config names any
     data, else the built-in chain arithmetic."""
-    from grpokit.tasks.registry import task_class
-
     name, d = config.task.name, config.data
     if name == "auto":
         name = "math" if d.sources or d.sft_sources or d.eval_sources else "chain"
     return task_class(name)(config)
+
+
+def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tokenizer) -> list[dict]:
+    """`rows` in the shares of task.prompt_modes: a fixed hash of each question decides its mode,
+    and a "tir" row gets the task's tool-integrated prompt and mode "tir" (a "cot" row keeps its
+    prompt, and mode "cot"). All-cot shares leave the rows as they are."""
+    tir_share = modes.get("tir", 0) / sum(modes.values())
+    if tir_share == 0:
+        return rows
+    out = []
+    for row in rows:
+        if heldout_position(f"prompt-mode/{row.get('question', row['prompt'])}") >= tir_share:
+            out.append({**row, "mode": "cot"})
+            continue
+        prompt = task.prompt(row, "tir", tokenizer) if hasattr(task, "prompt") else None
+        if prompt is None:
+            raise ConfigError(f"task.prompt_modes gives tir a share, but task {task.name!r} has no tool-integrated "
+                              f"prompt here (a tokenizer that cannot spell programs, or a task without a TIR form): "
+                              f"set task.prompt_modes to {{cot: 1.0}}")
+        out.append({**row, "prompt": prompt, "mode": "tir"})
+    return out

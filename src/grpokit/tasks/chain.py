@@ -50,7 +50,7 @@ class ChainTask:
         rl = arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, self.spec, "train"))
         heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, self.spec, "heldout"))
         return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
-                        [{k: r[k] for k in ("prompt", "answer")} for r in rl], heldout)
+                        [{k: r[k] for k in ("prompt", "question", "answer")} for r in rl], heldout)
 
     def extract_answer(self, completion: str) -> str | None:
         return arithmetic.extract_answer(completion)
