@@ -306,6 +306,19 @@ def _labels_from_rollouts(config: Config) -> bool:
 
 
 
+def _evaluate_heldout(when: str, task, model, tokenizer, heldout: list[dict], config: Config, engine, run_dir: Path,
+                      progress: bool, timings: dict):
+    """The held-out evaluation `when` ("before" or "after") RL: its seconds go to timings, and its
+    graded greedy completions to heldout-`when`.jsonl."""
+    t = time.perf_counter()
+    result = evaluate_task(task, model, tokenizer, heldout, config, engine, progress=progress,
+                           desc=f"held-out eval {when} RL")
+    if distributed.is_main():
+        write_heldout_completions(run_dir / f"heldout-{when}.jsonl", heldout, result)
+    timings[f"eval_{when}_seconds"] = time.perf_counter() - t
+    return result
+
+
 def _rl_engine(config: Config, engine, tokenizer):
     """What RL samples from: with rollout.tool, multi-turn rollouts that call the tool (its output
     masked out of the loss); evaluation keeps `engine` itself."""
@@ -345,12 +358,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         timings = dict(timings or {})
         before = None
         if heldout and config.eval.before and checkpoint is None:
-            t = time.perf_counter()
-            before = evaluate_task(task, model, tokenizer, heldout, config, engine,
-                                   progress=progress, desc="held-out eval before RL")
-            if distributed.is_main():
-                write_heldout_completions(run_dir / "heldout-before.jsonl", heldout, before)
-            timings["eval_before_seconds"] = time.perf_counter() - t
+            before = _evaluate_heldout("before", task, model, tokenizer, heldout, config, engine, run_dir, progress,
+                                       timings)
             engine.release_memory(weights_pushed_next=False)  # the reward model may train next
             print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
                   + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
@@ -379,12 +388,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         timings["rl_seconds"] = time.perf_counter() - rl_started
         summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
         if heldout:
-            t = time.perf_counter()
-            after = evaluate_task(task, model, tokenizer, heldout, config, engine,
-                                  progress=progress, desc="held-out eval after RL")
-            if distributed.is_main():
-                write_heldout_completions(run_dir / "heldout-after.jsonl", heldout, after)
-            timings["eval_after_seconds"] = time.perf_counter() - t
+            after = _evaluate_heldout("after", task, model, tokenizer, heldout, config, engine, run_dir, progress,
+                                      timings)
             summary.update(report_results(config, task, run_dir, history, before, after))
         summary.update(timings, wall_seconds=time.perf_counter() - started)
         if distributed.is_main():
