@@ -158,8 +158,11 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
             if continuation.finish == "length":
                 completion.reason = "length"
                 continue
+            if continuation.finish != "stop":  # EOS: no tool call, nothing to decode
+                completion.reason = "answer"
+                continue
             text = tokenizer.decode(completion.ids, skip_special_tokens=True)
-            overhang = stopped_at(text, tool.stop) if continuation.finish == "stop" else None
+            overhang = stopped_at(text, tool.stop)
             if overhang is None:
                 completion.reason = "answer"
                 continue

@@ -63,12 +63,13 @@ def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tok
     tir_share = modes.get("tir", 0) / sum(modes.values())
     if tir_share == 0:
         return rows
+    tir_prompt = getattr(task, "prompt", None)
     out = []
     for row in rows:
         if heldout_position(f"prompt-mode/{row.get('question', row['prompt'])}") >= tir_share:
             out.append({**row, "mode": "cot"})
             continue
-        prompt = task.prompt(row, "tir", tokenizer) if hasattr(task, "prompt") else None
+        prompt = tir_prompt(row, "tir", tokenizer) if tir_prompt is not None else None
         if prompt is None:
             raise ConfigError(f"task.prompt_modes gives tir a share, but task {task.name!r} has no tool-integrated "
                               f"prompt here (a tokenizer that cannot spell programs, or a task without a TIR form): "

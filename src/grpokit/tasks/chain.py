@@ -35,6 +35,7 @@ class ChainTask:
         t = config.task
         self.config, self.seed = t, config.seed
         self._said_no_tir = False
+        self._writes_programs: dict[int, bool] = {}  # by id(tokenizer): its whole vocabulary is read once
         self.spec = arithmetic.ChainSpec(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
                                          t.heldout_percent)
 
@@ -70,7 +71,11 @@ class ChainTask:
         return [{**row, "prompt": self.prompt(row, "tir", tokenizer)} for row in rows]
 
     def _can_write_programs(self, tokenizer) -> bool:
+        known = self._writes_programs.get(id(tokenizer))
+        if known is not None:
+            return known
         missing = sorted(set(arithmetic.TIR_ALPHABET) - set(tokenizer.get_vocab()))
+        self._writes_programs[id(tokenizer)] = not missing
         if missing and not self._said_no_tir:
             print(f"grpokit: no TIR evaluation: the tokenizer has no {''.join(missing)!r}, which the task's "
                   "python programs need (model.tiny.alphabet=arithmetic-tir has them)", file=sys.stderr)

@@ -383,6 +383,8 @@ class Trainer:
         cfg = self.config
         with_ref = ref_logp is not None and self.algorithm.loss_beta > 0
 
+        policy_mask = rollout.policy_mask  # [N, T], once for every micro-batch
+
         def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
             mask = loss_mask[micro]
             logp, entropy = token_logprobs(self.model, rollout.input_ids[micro], rollout.attention_mask[micro],
@@ -399,7 +401,7 @@ class Trainer:
             # the correction's own shares: tis is_capped_frac, icepop is_dropped_frac, ...
             sums.update({f"rollout/{k}": v * tokens for k, v in stats.items() if k.startswith("is_")})
             if entropy is not None:
-                cm = rollout.policy_mask[micro].to(entropy.dtype)
+                cm = policy_mask[micro].to(entropy.dtype)
                 sums.update(entropy_sum=(entropy * cm).sum(), entropy_tokens=cm.sum())
             return loss, sums
 
