@@ -12,6 +12,7 @@ import torch
 
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model
+from grpokit.rollout import Continuation
 from grpokit.types import Rollout
 
 
@@ -45,6 +46,20 @@ class ScriptedEngine:
         return Rollout(prompts=list(prompts), completions=texts, input_ids=completion, attention_mask=mask,
                        completion_mask=mask, truncated=torch.zeros(len(prompts), dtype=torch.bool), prompt_length=0,
                        group_size=1)
+
+    def continue_ids(self, contexts, budgets, params, seeds=None) -> list[Continuation]:
+        """Multi-turn rollouts: the reply to each decoded context, tokenised, cut at its budget;
+        "stop" when it ends with one of params.stop, else "eos"."""
+        self.params.append(params)
+        out = []
+        for ids, budget in zip(contexts, budgets, strict=True):
+            reply = self.reply(self.tokenizer.decode(ids, skip_special_tokens=True))
+            reply_ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+            if len(reply_ids) > budget:
+                out.append(Continuation(reply_ids[:budget], "length"))
+            else:
+                out.append(Continuation(reply_ids, "stop" if reply.endswith(tuple(params.stop or ())) else "eos"))
+        return out
 
     def sync_weights(self, model):
         pass

@@ -88,7 +88,8 @@ def test_evaluate_tir_runs_each_program_and_grades_the_answer_line(scripted_engi
         return f"```python\nprint({wrong})\n```\n{OUTPUT_STOP}"
 
     engine = scripted_engine(tokenizer, reply)
-    result = evaluate_tir(engine, tokenizer, rows, task.tir_answer, max_new_tokens=40, max_model_len=2048)
+    # max_new_tokens bounds the whole completion, tool output included (48 tokens for the first)
+    result = evaluate_tir(engine, tokenizer, rows, task.tir_answer, max_new_tokens=64, max_model_len=2048)
     # 7+5-3+9 right (18); 3-5 run as 3-6 (-3, wrong); 9+9 stated 19 (wrong); 4+4 right with no program.
     assert result.greedy_accuracy == 0.5 and result.num_questions == 4
     assert result.programs == 3 and result.stop_reasons == {"answer": 4}
@@ -96,7 +97,7 @@ def test_evaluate_tir_runs_each_program_and_grades_the_answer_line(scripted_engi
     assert all(params.stop == (OUTPUT_STOP,) and params.temperature == 0 for params in engine.params)
     assert result.seconds >= result.generate_seconds + result.tool_seconds > 0
     # Cut at its tool-call limit, a rollout's answer is the last program output.
-    cut = evaluate_tir(engine, tokenizer, rows[:1], task.tir_answer, 40, 2048, max_tool_calls=1)
+    cut = evaluate_tir(engine, tokenizer, rows[:1], task.tir_answer, 64, 2048, max_tool_calls=1)
     assert cut.greedy_accuracy == 1.0 and cut.stop_reasons == {"tool_limit": 1}
     assert cut.completions[0].endswith("```output\n18\n```\n")
 

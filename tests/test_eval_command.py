@@ -14,7 +14,6 @@ from grpokit.build import ASCII_ALPHABET
 from grpokit.checkpoint import CheckpointManager
 from grpokit.data.files import DatasetError
 from grpokit.eval.benchmark import (
-    EngineGenerate,
     EvalSettings,
     Timings,
     evaluate_chunk,
@@ -25,7 +24,7 @@ from grpokit.eval.benchmark import (
 )
 from grpokit.eval.questions import dataset_name, load_benchmark
 from grpokit.eval.report import compare_markdown, metrics
-from grpokit.eval.tir import COT_INSTRUCTION, OUTPUT_STOP
+from grpokit.eval.tir import COT_INSTRUCTION, OUTPUT_STOP, prompt_seeds
 from grpokit.tasks.math import extract_answer
 from grpokit.tasks.math import grade_answers as grade
 from grpokit.models import build_char_tokenizer, build_tiny_model
@@ -180,7 +179,8 @@ def test_tir_glue_runs_the_program_and_appends_its_output(tmp_path, ascii_tokeni
     call = "Compute it.\n```python\nx = 6 * 7\nprint(x)\n```\n" + OUTPUT_STOP
     engine = scripted_engine(ascii_tokenizer, {"Assistant:": call, "```output\n42\n```\n": "So \\boxed{42}."})
     timings = Timings()
-    [record] = evaluate_chunk(bench, [0], "tir", engine, ascii_tokenizer, EvalSettings(max_new_tokens=64), timings)
+    # max_new_tokens bounds the whole completion, tool output included (74 characters here)
+    [record] = evaluate_chunk(bench, [0], "tir", engine, ascii_tokenizer, EvalSettings(max_new_tokens=80), timings)
     assert record["completion"] == call + "\n42\n```\nSo \\boxed{42}."
     assert (record["tool_calls"], record["extracted_answer"], record["correct"]) == (1, "42", True)
     assert record["stop_reason"] == "answer" and record["reference"] == "42"
@@ -197,7 +197,7 @@ def test_tir_glue_tool_limit_samples_and_context_limit(tmp_path, ascii_tokenizer
     bench = load_benchmark(str(_plain_file(tmp_path, [{"question": "Loop?", "answer": "3"}])))
     call = "```python\nprint(3)\n```\n" + OUTPUT_STOP
     engine = scripted_engine(ascii_tokenizer, {"Assistant:": call, "```\n": call})
-    settings = EvalSettings(max_new_tokens=16, max_tool_calls=2, k=3, temperature=0.7)
+    settings = EvalSettings(max_new_tokens=80, max_tool_calls=2, k=3, temperature=0.7)  # 2 x (32 + 7) tokens
     [record] = evaluate_chunk(bench, [0], "tir", engine, ascii_tokenizer, settings, Timings())
     # Two rounds, each running the program; the last output is the answer (tool_limit).
     assert record["tool_calls"] == 2 and record["stop_reason"] == "tool_limit" and record["correct"]
@@ -210,11 +210,11 @@ def test_tir_glue_tool_limit_samples_and_context_limit(tmp_path, ascii_tokenizer
     assert limited["completion"] == "" and limited["stop_reason"] == "context_limit"
 
 
-def test_engine_generate_seeds_depend_on_context_and_repeat_only():
-    gen = EngineGenerate(None, None, SamplingParams(4, 0.7), 100, seed=1, timings=Timings())
-    a = gen._seeds(["x", "y", "x"])
+def test_sampling_seeds_depend_on_the_prompt_and_repeat_only():
+    a = prompt_seeds(1, ["x", "y", "x"])
     assert a[0] != a[2] and len(set(a)) == 3
-    assert gen._seeds(["y", "x", "x"]) == [a[1], a[0], a[2]]  # not the batch's order
+    assert prompt_seeds(1, ["y", "x", "x"]) == [a[1], a[0], a[2]]  # not the batch's order
+    assert prompt_seeds(2, ["x"]) != a[:1]
 
 
 # --- the command end to end ----------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tool-integrated reasoning: prompts, program extraction, output blocks, answers, and
-rollouts driven by a scripted generate_fn whose programs run in the real sandbox."""
+evaluation's rollouts (the multi-turn rollout RL trains on) driven by a scripted engine whose
+programs run in the real sandbox."""
 
 import pytest
 from hypothesis import given
@@ -17,9 +18,14 @@ from grpokit.eval.tir import (
     plain_chat,
     python_blocks,
     shorten,
-    tir_rollout,
+    Timings,
+    rollouts,
 )
-from grpokit.sandbox import SandboxResult, run_many
+from grpokit.models import build_char_tokenizer
+from grpokit.build import ASCII_ALPHABET
+from grpokit.rollout import Continuation, SamplingParams
+from grpokit.sandbox import SandboxResult
+from grpokit.tools.python import PythonTool
 
 
 def result(stdout="", error=None, timed_out=False) -> SandboxResult:
@@ -121,20 +127,36 @@ def test_final_answer():
 
 
 class Script:
-    """generate_fn that answers each prompt with its scripted continuations, in order, and
-    records the contexts it was given."""
+    """An engine whose continuation of each context is the next scripted string of the prompt it
+    starts with, tokenised one character per token; "stop" when it ends at a stop string. It
+    records the decoded contexts of each call."""
 
     def __init__(self, script: dict[str, list[str]]):
         self.script = {p: list(c) for p, c in script.items()}
         self.calls: list[list[str]] = []
+        self.tokenizer = TOKENIZER
 
-    def __call__(self, contexts):
-        self.calls.append(list(contexts))
+    def continue_ids(self, contexts, budgets, params, seeds=None):
+        texts = [self.tokenizer.decode(ids) for ids in contexts]
+        self.calls.append(texts)
         out = []
-        for context in contexts:
-            prompt = next(p for p in self.script if context.startswith(p))
-            out.append(self.script[prompt].pop(0))
+        for text, budget in zip(texts, budgets, strict=True):
+            reply = self.script[next(p for p in self.script if text.startswith(p))].pop(0)
+            ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+            stopped = any(reply.rstrip("\n").endswith(stop) for stop in params.stop)
+            out.append(Continuation(ids[:budget], "length" if len(ids) > budget else "stop" if stopped else "eos"))
         return out
+
+
+TOKENIZER = build_char_tokenizer(ASCII_ALPHABET)
+
+
+def tir(script, prompts, max_tool_calls=4, max_new_tokens=200, tool=None):
+    """Greedy TIR rollouts of `prompts` on `script`: the traces, their stop reasons and timings."""
+    timings = Timings()
+    out = rollouts(script, TOKENIZER, prompts, "tir", SamplingParams(max_new_tokens, 0.0, stop=(OUTPUT_STOP,)),
+                   10_000, 0, timings, max_tool_calls, tool)
+    return [trace for trace, _ in out], [reason for _, reason in out], timings
 
 
 def test_rollout_golden():
@@ -142,39 +164,31 @@ def test_rollout_golden():
     step1 = " Let me compute.\n```python\nprint(2**10)\n```\n```output"
     step2 = "\nSo the answer is $\\boxed{1024}$."
     script = Script({p1: [step1, step2], p2: [" It is $\\boxed{7}$."]})
-    batches = []
 
-    def run_fn(codes):
-        batches.append(list(codes))
-        return run_many(codes)
-
-    t1, t2 = tir_rollout(script, [p1, p2], run_fn=run_fn)
+    (t1, t2), reasons, timings = tir(script, [p1, p2])
 
     assert t1.completion == step1 + "\n1024\n```\n" + step2
-    assert t1.tool_spans == [(len(step1), len(step1) + len("\n1024\n```\n"))]
-    assert t1.completion[slice(*t1.tool_spans[0])] == "\n1024\n```\n"
-    assert (t1.tool_calls, t1.stop_reason, t1.answer) == (1, "answer", "1024")
-    assert t1.tool_results[0].stdout == "1024\n"
-    assert (t2.completion, t2.tool_spans, t2.tool_calls, t2.stop_reason, t2.answer) == (
-        " It is $\\boxed{7}$.", [], 0, "answer", "7")
+    assert (t1.tool_calls, t1.answer) == (1, "1024") and t1.tool_outputs[0].text == "\n1024\n```\n"
+    assert (t2.completion, t2.tool_calls, t2.answer) == (" It is $\\boxed{7}$.", 0, "7")
+    assert reasons == ["answer", "answer"]
     # Round 2 continues only the prompt that called a tool, from prompt + completion so far.
     assert script.calls == [[p1, p2], [p1 + step1 + "\n1024\n```\n"]]
-    assert batches == [["print(2**10)"]]
+    assert (timings.programs, timings.generate_calls) == (1, 2) and timings.tools > 0 and timings.generate > 0
 
 
 def test_rollout_stops_at_the_tool_call_limit_and_carries_variables():
     code1 = "```python\nx = 6 * 7\nprint(x)\n```\n```output"
     code2 = "\n```python\nprint(x + 1)\n```\n```output"
     script = Script({"Q": [code1, code2, "never used"]})
-    (trace,) = tir_rollout(script, ["Q"], max_tool_calls=2)
+    (trace,), reasons, _ = tir(script, ["Q"], max_tool_calls=2)
     assert trace.completion == code1 + "\n42\n```\n" + code2 + "\n43\n```\n"
-    assert (trace.tool_calls, trace.stop_reason, trace.answer) == (2, "tool_limit", "43")
-    assert [trace.completion[a:b] for a, b in trace.tool_spans] == ["\n42\n```\n", "\n43\n```\n"]
+    assert (trace.tool_calls, reasons, trace.answer) == (2, ["tool_limit"], "43")
+    assert [o.text for o in trace.tool_outputs] == ["\n42\n```\n", "\n43\n```\n"]
     assert len(script.calls) == 2
 
     # Each block on its own (ToRA's way): the second block no longer sees x.
     script = Script({"Q": [code1, code2]})
-    (alone,) = tir_rollout(script, ["Q"], max_tool_calls=2, program_fn=last_python_block)
+    (alone,), _, _ = tir(script, ["Q"], max_tool_calls=2, tool=PythonTool(program="last_block"))
     assert alone.completion.endswith("```output\nNameError: name 'x' is not defined\n```\n")
 
 
@@ -183,10 +197,11 @@ def test_rollout_failing_and_slow_programs():
     slow = "```python\nwhile True:\n    pass\n```\n```output"
     script = Script({"A": [crash, " \\boxed{0}"], "B": [slow, " \\boxed{1}"]})
     # 3 s: the failing program must start and crash well within it even on a busy machine.
-    a, b = tir_rollout(script, ["A", "B"], run_fn=lambda codes: run_many(codes, timeout_s=3.0))
-    assert a.completion == crash + "\nZeroDivisionError: division by zero\n```\n \\boxed{0}", a.tool_results
+    (a, b), _, _ = tir(script, ["A", "B"], tool=PythonTool(timeout_s=3.0))
+    assert a.completion == crash + "\nZeroDivisionError: division by zero\n```\n \\boxed{0}", a.tool_outputs
+    assert a.tool_outputs[0].failed
     assert b.completion == slow + "\nTimeout Error\n```\n \\boxed{1}"
-    assert b.tool_results[0].timed_out
+    assert b.tool_outputs[0].timed_out
 
 
 def test_rollout_handles_overhang_and_missing_program():
@@ -194,18 +209,20 @@ def test_rollout_handles_overhang_and_missing_program():
     overhang = "```python\nprint(5)\n```\n```output\n"
     no_code = "I will now show the output\n```output"
     script = Script({"A": [overhang, "done"], "B": [no_code]})
-    a, b = tir_rollout(script, ["A", "B"])
-    assert a.completion == overhang + "5\n```\ndone"
-    assert a.completion[slice(*a.tool_spans[0])] == "5\n```\n"
-    assert (b.completion, b.tool_calls, b.stop_reason, b.tool_spans) == (no_code, 0, "no_program", [])
+    (a, b), reasons, _ = tir(script, ["A", "B"])
+    assert a.completion == overhang + "5\n```\ndone" and a.tool_outputs[0].text == "\n5\n```\n"
+    assert (b.completion, b.tool_calls, reasons) == (no_code, 0, ["answer", "no_program"])
     # "```output" inside the text but not at the end is not a stop.
     script = Script({"C": [f"the marker {OUTPUT_STOP} appears mid-text"]})
-    assert tir_rollout(script, ["C"])[0].stop_reason == "answer"
+    assert tir(script, ["C"])[1] == ["answer"]
 
 
-def test_rollout_checks_its_inputs():
-    with pytest.raises(ValueError, match="returned 0 continuations for 1 contexts"):
-        tir_rollout(lambda contexts: [], ["Q"])
+def test_rollout_counts_tool_output_in_the_length_limit_and_checks_its_inputs():
+    call = "```python\nprint(12345)\n```\n```output"  # 32 characters; the output block adds 11
+    (cut,), reasons, _ = tir(Script({"Q": [call, "never"]}), ["Q"], max_new_tokens=len(call) + 5)
+    assert cut.completion == call + "\n1234" and reasons == ["length"]
     with pytest.raises(ValueError, match="max_tool_calls"):
-        tir_rollout(lambda contexts: contexts, ["Q"], max_tool_calls=0)
-    assert tir_rollout(lambda contexts: [], []) == []
+        tir(Script({"Q": []}), ["Q"], max_tool_calls=0)
+    assert tir(Script({}), [])[:2] == ([], [])
+    with pytest.raises(ValueError, match="cannot continue from token ids"):
+        rollouts(object(), TOKENIZER, ["Q"], "tir", SamplingParams(8), 100, 0, Timings())

@@ -4,6 +4,7 @@ worked by hand; and a second tool, an exact calculator defined here, through the
 
 import ast
 import copy
+import dataclasses
 import math
 import operator
 from fractions import Fraction
@@ -322,14 +323,11 @@ def test_round_seeds():
     assert len(set(later)) == 2 and later != [5, 6] and later != round_seeds([5, 6], 2)
 
 
-def test_an_engine_without_token_continuation_is_refused(tir_tokenizer, monkeypatch):
+def test_an_engine_without_token_continuation_is_refused(tir_tokenizer):
     with pytest.raises(ValueError, match="cannot continue from token ids"):
         multi_turn_rollout(SimpleNamespace(), tir_tokenizer, ["Q"], 1, SamplingParams(8), Calculator())
     with pytest.raises(ValueError, match="max_tool_calls"):
         ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator(), max_tool_calls=0)
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    with pytest.raises(NotImplementedError, match="one process for now"):
-        ToolEngine(IdScript(tir_tokenizer, {}), tir_tokenizer, Calculator())
 
 
 # --- (e), (f): transformers' generate on a tiny model, the sandbox, the calculator ---------------
@@ -463,9 +461,78 @@ def test_tool_keys_that_cannot_work_are_config_errors(overrides, message):
         load_config(None, overrides)
 
 
-def test_tool_rollouts_under_torchrun_are_refused_before_any_model_loads():
-    from grpokit.config import ConfigError, check_world_size, load_config
+def test_tool_rollouts_under_torchrun_pass_the_world_size_check():
+    from grpokit.config import check_world_size, load_config
 
-    config = load_config(None, ["--rollout.tool=python", "--grpo.prompts_per_step=4"])
-    with pytest.raises(ConfigError, match=r"rollout.tool \(multi-turn tool rollouts.*not supported under torchrun"):
-        check_world_size(config, 2)
+    check_world_size(load_config(None, ["--rollout.tool=python", "--grpo.prompts_per_step=4"]), 2)
+
+
+def _lockstep_worker(rank: int, world: int, port: int, state: dict, out_dir: str) -> None:
+    """A multi-turn rollout on an FSDP2-sharded copy of tool_model, each process with its own
+    prompts: process 0's program needs a second round, process 1's calculation ends in the first."""
+    import os
+
+    from grpokit.models.sharding import shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    assert distributed.init(timeout_s=120)
+    try:
+        tok = build_char_tokenizer(CHARS)
+        model = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+        model.load_state_dict(state)
+        model = shard_model(model)
+        prompt = (PROGRAM, CALCULATION)[rank][0]
+        result = multi_turn_rollout(HFEngine(model, tok), tok, [prompt], 1, SamplingParams(80, temperature=0),
+                                    PythonTool(timeout_s=10.0), max_tool_calls=2)
+        torch.save({"completions": result.rollout.completions, "tool_calls": result.tool_calls},
+                   os.path.join(out_dir, f"rollout{rank}.pt"))
+        distributed.barrier()
+    finally:
+        distributed.shutdown()
+
+
+def test_tool_rollouts_on_two_sharded_processes_step_together_and_match_one_process(tool_model, tmp_path):
+    """Under torchrun a sharded policy's generation is a collective: a process whose completions
+    have all ended keeps joining the others' rounds (with no contexts) until theirs end too, and
+    each process's completions are the ones it samples alone."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_lockstep_worker, args=(2, port, tool_model.state_dict(), str(tmp_path)), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"rollout{rank}.pt") for rank in (0, 1))
+    assert first == {"completions": [PROGRAM[1]], "tool_calls": [1]}  # round 2 writes the answer
+    assert second["tool_calls"] == [0] and second["completions"] == [CALCULATION[1]]  # done in round 1
+
+
+# --- metrics by prompt mode ---------------------------------------------------------------------
+
+
+def test_mode_metrics_golden():
+    """Two cot and two tir samples, worked by hand: a tir sample with two tool segments and one with
+    none; the failed (invalid) sample counts in samples, length and calls but not in the reward."""
+    from grpokit.train.mode_metrics import mode_metrics, tool_calls_per_sample
+    from grpokit.types import Rollout
+
+    completion_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    sampled_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 1, 0, 0, 1], [1, 1, 1, 0, 0, 0]])
+    rollout = Rollout(prompts=["a"] * 4, completions=[""] * 4, input_ids=torch.zeros(4, 7, dtype=torch.long),
+                      attention_mask=torch.ones(4, 7, dtype=torch.long), completion_mask=completion_mask,
+                      truncated=torch.zeros(4, dtype=torch.bool), prompt_length=1, group_size=2,
+                      rows=[{"mode": "cot"}] * 2 + [{"mode": "tir"}] * 2, sampled_mask=sampled_mask)
+    assert tool_calls_per_sample(rollout).tolist() == [0, 0, 2, 0]  # segments at 1 and at 3-4
+    result = RewardResult(total=torch.tensor([1.0, 0.0, 1.0, float("nan")], dtype=torch.float64),
+                          valid=torch.tensor([True, True, True, False]),
+                          per_function={"accuracy": torch.tensor([1.0, 0.0, 1.0, float("nan")])}, errors={})
+    out = mode_metrics(rollout, result)
+    assert out == {"mode/cot/samples": 2, "mode/cot/reward_mean": 0.5, "mode/cot/accuracy": 0.5,
+                   "mode/cot/length_mean": 3.0, "mode/cot/tool_calls_mean": 0.0,
+                   "mode/tir/samples": 2, "mode/tir/reward_mean": 1.0, "mode/tir/accuracy": 1.0,
+                   "mode/tir/length_mean": 4.5, "mode/tir/tool_calls_mean": 1.0}
+    one_mode = dataclasses.replace(rollout, rows=[{"mode": "cot"}] * 4)
+    assert mode_metrics(one_mode, result) == {}  # the step's own numbers already say it

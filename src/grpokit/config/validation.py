@@ -122,7 +122,6 @@ def check_world_size(config: Config, world_size: int, per_node: int | None = Non
         (g.dynamic_sampling, "grpo.dynamic_sampling"),
         (config.reward_model.kind != "none", "reward_model.kind (learned reward models)"),
         (config.iterative.iterations > 1, "iterative.iterations > 1"),
-        (bool(config.rollout.tool), "rollout.tool (multi-turn tool rollouts: each process's rounds differ)"),
     ]
     for on, key in unsupported:
         if on:

@@ -48,7 +48,8 @@ from grpokit.eval.records import (
     writable_output_dir,
 )
 from grpokit.eval.report import MODE_TITLES, PLAIN_LAYOUT, metrics, report_markdown
-from grpokit.eval.tir import OUTPUT_STOP, EngineGenerate, Timings, TIRTrace, rollouts, timed_sandbox
+from grpokit.eval.tir import OUTPUT_STOP, Timings, TIRTrace, rollouts
+from grpokit.tools.python import PythonTool
 from grpokit.models.loading import (
     is_lora_adapter,
     load_model_and_tokenizer,
@@ -179,16 +180,16 @@ def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, toke
     stop = (OUTPUT_STOP,) if mode == "tir" else ()
     rows = [bench.row(i) for i in indices]
     prompts = [task_prompt(task, row, mode, tokenizer) for row in rows]
-    run_fn = timed_sandbox(timings, settings.tool_timeout)
+    tool = PythonTool(timeout_s=settings.tool_timeout)
     greedy_params = SamplingParams(settings.max_new_tokens, 0.0, 1.0, settings.batch_size, stop=stop)
-    greedy = rollouts(EngineGenerate(engine, tokenizer, greedy_params, settings.max_model_len, settings.seed,
-                                     timings), prompts, mode, settings.max_tool_calls, run_fn)
+    greedy = rollouts(engine, tokenizer, prompts, mode, greedy_params, settings.max_model_len, settings.seed, timings,
+                      settings.max_tool_calls, tool)
     samples: list[tuple[TIRTrace, str]] = []
     if settings.k:
         params = SamplingParams(settings.max_new_tokens, settings.temperature, 1.0, settings.batch_size, stop=stop)
         repeated = [p for p in prompts for _ in range(settings.k)]
-        samples = rollouts(EngineGenerate(engine, tokenizer, params, settings.max_model_len, settings.seed, timings),
-                           repeated, mode, settings.max_tool_calls, run_fn)
+        samples = rollouts(engine, tokenizer, repeated, mode, params, settings.max_model_len, settings.seed, timings,
+                           settings.max_tool_calls, tool)
     start = time.perf_counter()
     completions = [t.completion for t, _ in greedy + samples]
     read_answer = task.tir_answer if mode == "tir" else task.extract_answer

@@ -11,7 +11,8 @@ from math import comb
 
 from grpokit import distributed
 from grpokit.config import Config
-from grpokit.eval.tir import OUTPUT_STOP, EngineGenerate, Timings, rollouts, timed_sandbox
+from grpokit.eval.tir import OUTPUT_STOP, Timings, rollouts
+from grpokit.tools.python import PythonTool
 from grpokit.progress import progress as progress_bar
 from grpokit.rollout import HFEngine, SamplingParams, max_model_len
 from grpokit.sandbox import namespaces_available
@@ -158,17 +159,17 @@ def evaluate_tir(
 ) -> TIRResult:
     """Greedy tool-integrated reasoning: each row's "prompt" is generated from until the model
     writes "```output", its program runs in grpokit.sandbox, the output is appended, and
-    generation goes on, for at most `max_tool_calls` rounds of `max_new_tokens` each. A
+    generation goes on, for at most `max_tool_calls` rounds, `max_new_tokens` bounding the whole
+    completion, tool output included: the multi-turn rollout RL samples with (eval/tir.py). A
     completion is right when its extracted answer equals the row's reference as a string."""
     if not rows:
         raise ValueError("evaluate_tir got no rows")
     start, timings = time.perf_counter(), Timings()
     params = SamplingParams(max_new_tokens, 0.0, 1.0, batch_size, stop=(OUTPUT_STOP,))
-    generate = EngineGenerate(engine, tokenizer, params, max_model_len, seed=0, timings=timings)
-    traced, sandbox = [], timed_sandbox(timings, tool_timeout_s)
+    traced, tool = [], PythonTool(timeout_s=tool_timeout_s)
     for first in range(0, len(rows), batch_size):  # each question's rounds are its own: calls of batch_size
         part = [r["prompt"] for r in rows[first : first + batch_size]]
-        traced += rollouts(generate, part, "tir", max_tool_calls, sandbox)
+        traced += rollouts(engine, tokenizer, part, "tir", params, max_model_len, 0, timings, max_tool_calls, tool)
         if bar is not None:
             bar.update(len(part))
     completions = [trace.completion for trace, _ in traced]

@@ -15,6 +15,9 @@ sampled tokens only, so the loss never trains the policy to write a tool's outpu
 completion, tool output included: a segment that does not fit is cut and the completion
 counts as truncated.
 
+Under torchrun every process makes the same engine calls (rounds run while any process has a
+completion to continue), since a sharded policy's generation is a collective.
+
 An engine takes part by offering `continue_ids(contexts, budgets, params, seeds)` (HFEngine:
 transformers' generate on the ids; VLLMEngine: TokensPrompt, with the sampled tokens' log-probs,
 which become the Rollout's sampling_logp, 0 on tool output); each request's seed is the one the engine gets for a
@@ -108,12 +111,8 @@ def tool_segment(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def _check_engine(engine) -> None:
-    if distributed.world_size() > 1:
-        # A sharded policy's generate calls are collectives (sampler.sample_ids), and the number of
-        # rounds differs between processes: they would wait on each other forever.
-        raise NotImplementedError("multi-turn tool rollouts run in one process for now; "
-                                  f"this run has {distributed.world_size()}")
+def check_engine(engine) -> None:
+    """Refuse an engine that cannot continue from token ids, which multi-turn rollouts need."""
     if not hasattr(engine, "continue_ids"):
         raise ValueError(f"the rollout engine {type(engine).__name__} cannot continue from token ids "
                          "(continue_ids); multi-turn tool rollouts need one that can, such as `hf`")
@@ -136,7 +135,7 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if not prompts:
         raise ValueError("multi_turn_rollout got no prompts")
-    _check_engine(engine)
+    check_engine(engine)
     if seeds is not None and len(seeds) != len(prompts) * num_generations:
         raise ValueError(f"got {len(seeds)} seeds for {len(prompts) * num_generations} completions")
     params = dataclasses.replace(params, stop=tuple(dict.fromkeys((*params.stop, tool.stop))))
@@ -146,7 +145,10 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
     completions = [_Completion() for _ in prompt_ids]
     active = list(range(len(completions)))
     for round_index in range(max_tool_calls):
-        if not active:
+        # Under torchrun each process's engine call may be a collective (a sharded policy is gathered,
+        # a tensor-parallel vLLM pools requests): all go on while any has a completion to continue, one
+        # with none left calling with no contexts.
+        if not (distributed.any_process(bool(active)) if distributed.world_size() > 1 else active):
             break
         continuations = engine.continue_ids(
             [prompt_ids[i] + completions[i].ids for i in active], [limit - len(completions[i].ids) for i in active],
@@ -225,7 +227,7 @@ class ToolEngine:
     what the loop logs of it."""
 
     def __init__(self, engine, tokenizer, tool: Tool, max_tool_calls: int = 4):
-        _check_engine(engine)
+        check_engine(engine)
         _check_rounds(max_tool_calls)
         self.engine, self.tokenizer, self.tool, self.max_tool_calls = engine, tokenizer, tool, max_tool_calls
         self.last: ToolRollout | None = None

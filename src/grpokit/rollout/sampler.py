@@ -159,19 +159,24 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
         _check_stop_strings(tokenizer, params.stop)
     chunks = []
     # A sharded (FSDP2) policy is gathered once for the whole call (each process must make the
-    # same number of calls), so the decoding forwards run no collectives.
-    with gathered_for_generation(model):
+    # same number of calls), so the decoding forwards run no collectives: transformers' synced_gpus
+    # (on by default for FSDP, one all_reduce per token) is off, and each process decodes alone.
+    with gathered_for_generation(model) as gathered:
         for start in range(0, prompt_ids.shape[0], params.batch_size):
             ids = prompt_ids[start : start + params.batch_size].to(device)
             mask = prompt_mask[start : start + params.batch_size].to(device)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, **stop_kwargs)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                                 **({"synced_gpus": False} if gathered else {}), **stop_kwargs)
             chunks.append(out[:, ids.shape[1] :].cpu())
+    if was_training:
+        model.train()
+    if not chunks:  # no rows here: the process took part in the gather only (multi-turn lockstep)
+        empty = torch.zeros((0, 0), dtype=torch.long)
+        return empty, empty.clone(), torch.zeros(0, dtype=torch.bool)
     width = max(c.shape[1] for c in chunks)
     completion_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     )
-    if was_training:
-        model.train()
     completion_mask, truncated = completion_mask_and_truncation(completion_ids, eos_ids)
     if params.stop:
         longest = max(len(s) for s in params.stop)  # tokens other than special ones hold a character or more
@@ -214,6 +219,10 @@ def continue_ids(model: torch.nn.Module, tokenizer, contexts: list[list[int]], b
     re-tokenised), of at most budgets[i] tokens (params.max_new_tokens is not read)."""
     if len(budgets) != len(contexts) or min(budgets, default=1) < 1:
         raise ValueError(f"continue_ids needs one budget >= 1 per context, got {budgets} for {len(contexts)} contexts")
+    if not contexts:  # a sharded policy is still gathered: every process makes the same calls
+        sample_ids(model, tokenizer, torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
+                   params)
+        return []
     ids, mask = left_padded(contexts, tokenizer.pad_token_id)
     completion_ids, completion_mask, truncated = sample_ids(
         model, tokenizer, ids, mask, dataclasses.replace(params, max_new_tokens=max(budgets)))

@@ -292,6 +292,8 @@ class VLLMEngine:
             requests = [ids for r, _, _ in pooled for ids in r]
             seeds = [seed for _, s, _ in pooled for seed in s]
             max_tokens = [m for _, _, t in pooled for m in t]
+        if not requests:  # this process (and its group) has nothing left to continue this round
+            return []
         self._wake(("weights", "kv_cache"))
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=ids) for ids in requests],
                                     sampling_params=[self._request_params(params, seed, m)

@@ -48,6 +48,7 @@ from grpokit.rollout.logprobs import attended_ends
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.algorithm import Algorithm, Batch
+from grpokit.train.mode_metrics import mode_metrics
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -286,6 +287,7 @@ class Trainer:
             "completion/mean_length": float(lengths.mean()),
             "completion/max_length": int(lengths.max()),
             "completion/truncated_frac": float(rollout.truncated.float().mean()),
+            **mode_metrics(rollout, result),
             "perf/tokens_per_s": float(lengths.sum()) / seconds,
             "perf/step_time_s": seconds,
             **timings,
