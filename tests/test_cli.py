@@ -50,8 +50,11 @@ def test_sft_then_train_from_the_checkpoint(tmp_path):
     grpokit("sft", "--output_dir", str(tmp_path / "sft"), "--quiet", *TINY)
     ckpt = tmp_path / "sft" / "checkpoints" / "sft"
     proc = grpokit("train", f"--model.name_or_path={ckpt}", f"--output_dir={tmp_path / 'rl'}", "--quiet", *TINY)
-    assert "held-out greedy accuracy" in proc.stdout
+    assert "held-out greedy accuracy" in proc.stdout and "warning" not in proc.stderr
     assert (tmp_path / "rl" / "checkpoints" / "step-2" / "model.safetensors").is_file()
+    # sft.checkpoint is the demo's key: `grpokit train` says it would start from a fresh model instead
+    proc = grpokit("train", f"--sft.checkpoint={ckpt}", f"--output_dir={tmp_path / 'fresh'}", "--quiet", *TINY)
+    assert f"pass --model.name_or_path={ckpt} to train that policy" in proc.stderr
 
 
 def test_help_shows_every_key():

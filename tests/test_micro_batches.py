@@ -236,7 +236,7 @@ def test_token_budget_keys_and_their_checks():
     assert config.grpo.max_tokens_per_micro_batch == 16384 and config.sft.max_tokens_per_micro_batch == 16384
     with pytest.raises(ConfigError, match=r"grpo.max_tokens_per_micro_batch=40 is smaller than the longest row, 49"):
         load_config(None, ["--grpo.max_tokens_per_micro_batch=40", "--grpo.max_completion_length=48"])
-    with pytest.raises(ConfigError, match=r"longest row, 148 tokens"):
+    with pytest.raises(ConfigError, match=r"longest row, 196 tokens"):  # 100 + the 96 completion tokens
         load_config(None, ["--grpo.max_tokens_per_micro_batch=140", "--data.max_prompt_length=100"])
     with pytest.raises(ConfigError, match="sft.max_tokens_per_micro_batch must be >= 1"):
         load_config(None, ["--sft.max_tokens_per_micro_batch=0"])

@@ -234,6 +234,10 @@ def _run(args, config) -> int:
         elif args.command == "train-rm":
             stages.run_train_rm(config, progress, data=args.data, run_dir_mode=mode)
         elif args.command == "train":
+            if config.sft.checkpoint and not config.model.name_or_path and not args.resume:
+                print(f"grpokit: warning: sft.checkpoint={config.sft.checkpoint} is read by `grpokit demo`'s stages; "
+                      "`grpokit train` starts from model.name_or_path, unset here, so from a fresh tiny model: "
+                      f"pass --model.name_or_path={config.sft.checkpoint} to train that policy", file=sys.stderr)
             stages.run_train(config, progress, resume=args.resume, force=args.force, run_dir_mode=mode)
         else:
             stages.run_sft(config, progress, mode)

@@ -257,29 +257,19 @@ def _shard_for_run(config: Config, model, ref_model):
     return model, ref_model
 
 
-# Tokens a program's printed output may add to a context in each TIR round.
-TIR_OUTPUT_ROOM = 64
-
-
 def _engine_model_len(config: Config, tokenizer, prompts: list[str], tir_prompts: list[str] | None = None,
                       step_prefixes: bool = False) -> int | None:
-    """A vLLM engine's max_model_len for a run over `prompts` (None for hf): the longest prompt +
-    grpo.max_completion_length, twice that completion when step prefixes are continued (process
-    labels from rollouts), and TIR's rounds of completion + program output after its prompts."""
+    """A vLLM engine's max_model_len for a run over `prompts` and `tir_prompts` (None for hf): the
+    longest prompt + grpo.max_completion_length, which bounds a TIR completion too, tool output
+    included (rollout/multi_turn.py); twice that completion when step prefixes are continued
+    (process labels from rollouts)."""
     if not engine_spec(config.rollout.engine).copies_weights:
         return None
     c = config.grpo.max_completion_length
     room = 2 * c if step_prefixes else c
-    longest = longest_prompt_tokens(tokenizer, prompts)
-    needed, what = longest + room, f"the longest prompt ({longest} tokens) + {room} completion tokens"
-    if tir_prompts:
-        tir_longest = longest_prompt_tokens(tokenizer, tir_prompts)
-        tir_room = config.eval.max_tool_calls * (c + TIR_OUTPUT_ROOM)
-        if tir_longest + tir_room > needed:
-            needed = tir_longest + tir_room
-            what = (f"the longest TIR prompt ({tir_longest} tokens) + eval.max_tool_calls x (grpo.max_completion_length"
-                    f" + {TIR_OUTPUT_ROOM} output tokens) ({tir_room})")
-    return run_max_model_len(config.rollout, needed, what)
+    longest = longest_prompt_tokens(tokenizer, [*prompts, *(tir_prompts or [])])
+    return run_max_model_len(config.rollout, longest + room,
+                             f"the longest prompt ({longest} tokens) + {room} completion tokens")
 
 
 def _train_model_len(config: Config, task, tokenizer, rows: list[dict], heldout: list[dict]) -> int | None:
@@ -309,12 +299,16 @@ def _labels_from_rollouts(config: Config) -> bool:
 def _evaluate_heldout(when: str, task, model, tokenizer, heldout: list[dict], config: Config, engine, run_dir: Path,
                       progress: bool, timings: dict):
     """The held-out evaluation `when` ("before" or "after") RL: its seconds go to timings, and its
-    graded greedy completions to heldout-`when`.jsonl."""
+    graded greedy completions to heldout-`when`.jsonl (CoT) and heldout-`when`-tir.jsonl (TIR)."""
     t = time.perf_counter()
     result = evaluate_task(task, model, tokenizer, heldout, config, engine, progress=progress,
                            desc=f"held-out eval {when} RL")
     if distributed.is_main():
-        write_heldout_completions(run_dir / f"heldout-{when}.jsonl", heldout, result)
+        write_heldout_completions(run_dir / f"heldout-{when}.jsonl", heldout, result.greedy_completions,
+                                  result.greedy_correct)
+        if result.tir is not None:
+            write_heldout_completions(run_dir / f"heldout-{when}-tir.jsonl", heldout, result.tir.completions,
+                                      result.tir.correct)
     timings[f"eval_{when}_seconds"] = time.perf_counter() - t
     return result
 

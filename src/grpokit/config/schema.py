@@ -234,7 +234,8 @@ class SFTConfig:
 class GRPOConfig:
     num_generations: int = opt(8, "G, completions sampled per prompt (>= 2)")
     prompts_per_step: int = opt(16, "B, prompts per step; a step trains on B x G completions")
-    max_completion_length: int = opt(48, "max new tokens per completion")
+    max_completion_length: int = opt(96, "max new tokens per completion; a tool-integrated completion's rounds and "
+                                         "tool output count together (the built-in task's need about 60)")
     max_steps: int = opt(150, "GRPO steps (each: sample, score, update)")
     learning_rate: float = opt(3e-5, "AdamW learning rate of the policy (1e-4 drifts off and loses reward here)")
     beta: float = opt(0.04, "KL coefficient toward the frozen reference")

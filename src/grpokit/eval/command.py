@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float,
                    default=ROLLOUT.kv_cache_gb, help="vllm: GiB for its KV cache")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens per generation (per TIR round); for a run's checkpoint, the run's "
-                        "grpo.max_completion_length unless given (default: 1024)")
+                   help="tokens per completion (TIR: every round and the tool's output blocks together, as "
+                        "in RL); for a run's checkpoint, the run's grpo.max_completion_length unless given "
+                        "(default: 1024)")
     p.add_argument("--max-tool-calls", type=int, default=EVAL.max_tool_calls,
                    help="TIR: rounds of generation, each may run a program (default: %(default)s, as "
                         "eval.max_tool_calls)")

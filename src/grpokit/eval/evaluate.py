@@ -51,9 +51,10 @@ class TIRResult:
     isolated: bool  # whether the programs ran in namespaces (no network); see grpokit.sandbox
     stop_reasons: dict[str, int] = field(default_factory=dict)
     completions: list[str] = field(default_factory=list, repr=False)
+    correct: list[bool] = field(default_factory=list, repr=False)  # each completion's verdict
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "completions"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("completions", "correct")}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -173,11 +174,11 @@ def evaluate_tir(
         if bar is not None:
             bar.update(len(part))
     completions = [trace.completion for trace, _ in traced]
-    hits = sum((a := extract_answer(c)) is not None and _string_equal(a, str(r[answer_key]))
-               for r, c in zip(rows, completions))
-    return TIRResult(hits / len(rows), len(rows), timings.programs, time.perf_counter() - start, timings.generate,
-                     timings.tools, namespaces_available(), dict(Counter(reason for _, reason in traced)),
-                     completions)
+    correct = [(a := extract_answer(c)) is not None and _string_equal(a, str(r[answer_key]))
+               for r, c in zip(rows, completions)]
+    return TIRResult(sum(correct) / len(rows), len(rows), timings.programs, time.perf_counter() - start,
+                     timings.generate, timings.tools, namespaces_available(),
+                     dict(Counter(reason for _, reason in traced)), completions, correct)
 
 
 def evaluate_task(task, model, tokenizer, rows: list[dict], config: Config, engine=None,

@@ -116,11 +116,12 @@ def writable_output_dir(path: str) -> Path:
     return out
 
 
-def write_heldout_completions(path: str | Path, rows: list[dict], result) -> Path:
-    """A run's greedy held-out completions (an EvalResult's), graded: question, answer, completion, correct."""
+def write_heldout_completions(path: str | Path, rows: list[dict], completions: list[str], verdicts: list[bool]) -> Path:
+    """A run's greedy held-out completions (an EvalResult's, or its TIRResult's), graded: question,
+    answer, completion, correct."""
     path = Path(path)
     with path.open("w", encoding="utf-8") as f:
-        for row, completion, correct in zip(rows, result.greedy_completions, result.greedy_correct, strict=True):
+        for row, completion, correct in zip(rows, completions, verdicts, strict=True):
             record = {"question": row.get("question", row["prompt"]), "answer": row.get("answer"),
                       "completion": completion, "correct": correct}
             f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
