@@ -18,6 +18,7 @@ from grpokit.train.sft import (
     collate,
     pack_rows,
     packed_batch,
+    padded_batch,
     packing_matches_padding,
     sft_train,
     tokenize_examples,
@@ -175,3 +176,65 @@ def test_sft_train_pads_when_packing_would_mix_examples(tokenizer, sft_pairs, ca
     # float32 logits; sft_train's is the same sum taken tile by tile, equal to float32 rounding.
     assert losses == pytest.approx(padded_reference_losses(reference_model, tokenizer, sft_pairs, config), rel=1e-6)
 
+
+
+# --------------------------------------------------------------------------- tool output in demonstrations
+
+
+def test_tool_output_in_a_demonstration_is_its_own_segment_and_unlabelled():
+    """sft.mask_tool_output: a TIR demonstration's output block (after ```output, through the
+    closing fence) is tokenised as a multi-turn rollout appends it and left out of the loss; the
+    program before it and the answer after it are trained on. Worked by hand, one token per
+    character."""
+    from grpokit.models import build_char_tokenizer
+    from grpokit.tools.python import PythonTool
+
+    tok = build_char_tokenizer(arithmetic.TIR_ALPHABET)
+    prompt, completion = "Q: 2+2 (with python)\n", arithmetic.format_tir_solution("2+2")
+    assert completion == "```python\nprint(2+2)\n```\n```output\n4\n```\nA: 4"
+    assert PythonTool().output_spans(completion) == [(34, 41)] and completion[34:41] == "\n4\n```\n"
+    [(ids, prompt_len, trained)] = tokenize_examples(tok, [(prompt, completion)], PythonTool().output_spans)
+    assert ids == tok(prompt + completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert trained == [1] * (prompt_len + 34) + [0] * 7 + [1] * 5  # "A: 4" and EOS
+    labels = TokenizedExamples.of([(ids, prompt_len, trained)]).labels
+    assert labels.eq(-100).sum() == prompt_len + 7
+    padded = padded_batch(TokenizedExamples.of([(ids, prompt_len, trained)]), [0], tok.pad_token_id)
+    assert padded["labels"][0].tolist() == labels.tolist()
+    # CoT demonstrations hold no output block: unchanged, two elements as before
+    assert tokenize_examples(tok, [("Q: 2+2\n", "4\nA: 4")], PythonTool().output_spans)[0][1:] == (7,)
+    # a second block, and one the text ends inside
+    two = "```output\n1\n```\nso ```output\n22"
+    assert PythonTool().output_spans(two) == [(9, 16), (28, 31)]
+
+
+def test_sft_never_trains_on_tool_output_its_gradient_there_is_zero():
+    """The loss over a TIR demonstration does not depend on the logits that predict the output
+    block's tokens: their gradient is exactly zero, and the rest's is not."""
+    from grpokit.models import build_char_tokenizer
+    from grpokit.tools.python import PythonTool
+
+    tok = build_char_tokenizer(arithmetic.TIR_ALPHABET)
+    prompt, completion = "Q: 2+2 (with python)\n", arithmetic.format_tir_solution("2+2")
+    data = tokenize_examples(tok, [(prompt, completion)], PythonTool().output_spans)
+    batch = padded_batch(TokenizedExamples.of(data), [0], tok.pad_token_id)
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.detach()
+    logits.requires_grad_(True)
+    targets = batch["labels"][:, 1:]
+    labelled = targets != -100
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    (-(logp * labelled).sum() / labelled.sum()).backward()
+    predicts_output = torch.zeros_like(labelled)
+    start = data[0][1] + 34  # the output block's first token; position t - 1 predicts token t
+    predicts_output[0, start - 1 : start + 6] = True
+    assert logits.grad[0, :-1][predicts_output[0]].abs().sum() == 0
+    assert (logits.grad[0, :-1][labelled[0]].abs().sum(-1) > 0).all()
+
+
+def test_sft_masks_tool_output_by_default_and_the_key_keeps_the_old_behaviour():
+    from grpokit.config import load_config
+    from grpokit.stages import _demonstration_tool_spans
+
+    spans = _demonstration_tool_spans(load_config(None, []))
+    assert spans("```output\n4\n```\nA: 4") == [(9, 16)]
+    assert _demonstration_tool_spans(load_config(None, ["--sft.mask_tool_output=false"])) is None

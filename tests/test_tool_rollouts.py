@@ -82,6 +82,8 @@ class IdScript:
     """An engine whose continue_ids gives each context the next scripted id list of the prompt its
     context starts with (cut to the budget), and records the contexts and budgets it was given."""
 
+    copies_weights = False  # it samples from no model: a training step re-points it (sync_weights)
+
     def __init__(self, tokenizer, script: dict[str, list[list[int]]]):
         self.eos = tokenizer.eos_token_id
         self.script = [(tokenizer(p, add_special_tokens=False)["input_ids"], list(s)) for p, s in script.items()]
@@ -97,6 +99,12 @@ class IdScript:
             finish = "length" if len(ids) > budget else ("eos" if ids[-1] == self.eos else "stop")
             out.append(Continuation(ids[:budget], finish))
         return out
+
+    def sync_weights(self, model, state_dict=None):
+        pass
+
+    def release_memory(self, weights_pushed_next):
+        pass
 
 
 def char_ids(tokenizer, text: str) -> list[int]:
@@ -315,6 +323,48 @@ def test_a_crashing_tool_ends_only_its_sample_and_the_limit_counts_tool_output(t
     assert result.rollout.sampled_mask[3].tolist() == [1] * 9 + [0] * 3
     assert result.rollout.completion_mask.sum(dim=1).tolist() == [6, 12, 8, 12]
     assert result.metrics()["tool/error_frac"] == pytest.approx(1 / 3)
+
+
+def test_a_failed_sample_gets_no_reward_and_no_loss_and_the_run_goes_on(tool_model, tir_tokenizer, tmp_path):
+    tok = tir_tokenizer
+    script = {"Q: 1\n": [char_ids(tok, "<<10>>")] * 2, "Q: 2\n": [char_ids(tok, "<<2*3>>"), char_ids(tok, "A6")] * 2}
+    engine = ToolEngine(IdScript(tok, script), tok, Exploding(), max_tool_calls=2)
+    trainer = make_trainer(copy.deepcopy(tool_model), tok, tmp_path, prompts_per_step=2)
+    trainer.engine = engine
+    rollout = engine.generate(["Q: 1\n", "Q: 2\n"], 2, trainer.sampling)
+    assert rollout.failed.tolist() == [True, True, False, False]
+    result = trainer._score(rollout)
+    assert result.valid.tolist() == [False, False, True, True] and result.total[:2].isnan().all()
+    _, loss_mask = trainer.on_policy_device(rollout, result)
+    assert loss_mask[:2].sum() == 0 and (loss_mask[2:].sum(dim=1) > 0).all()
+
+
+def test_steps_of_nothing_but_failed_samples_stop_the_run_naming_the_tool(tool_model, tir_tokenizer, tmp_path):
+    from grpokit.train.loop import RewardFailure
+
+    tok = tir_tokenizer
+    engine = ToolEngine(IdScript(tok, {"Q: 1\n": [char_ids(tok, "<<10>>")] * 4}), tok, Exploding(), max_tool_calls=2)
+    trainer = make_trainer(copy.deepcopy(tool_model), tok, tmp_path, max_failed_steps=2)
+    trainer.engine, trainer.dataset = engine, [{"prompt": "Q: 1\n"}]
+    first = trainer.step()  # every sample failed once: counted, nothing learnt, the run goes on
+    assert first["rewards/failed"] == 2 and first["tool/error_frac"] == 1.0 and first["grad_norm"] == 0
+    with pytest.raises(RewardFailure, match=r"every rollout failed for 2 consecutive steps: the tool 'calculator' "
+                                            r"raised on every call \(last error: RuntimeError: calculator crashed\)"):
+        trainer.step()
+
+
+def test_a_chain_of_thought_prompt_in_the_batch_is_never_answered_by_the_tool(tir_tokenizer):
+    """task.prompt_modes: rows of mode "cot" sample as a single-turn rollout would: their stop
+    string is text, and sampling goes on with nothing appended; "tir" rows get the tool."""
+    tok, eos = tir_tokenizer, tir_tokenizer.eos_token_id
+    script = {"Q: 5\n": [char_ids(tok, "<<2*3>>"), char_ids(tok, " A6") + [eos]],
+              "Q: 6\n": [char_ids(tok, "<<2*3>>"), char_ids(tok, "A6") + [eos]]}
+    engine = ToolEngine(IdScript(tok, script), tok, Calculator(), max_tool_calls=3)
+    rollout = engine.generate(list(script), 1, SamplingParams(40, temperature=0), rows=[{"mode": "cot"}, {"mode": "tir"}])
+    assert rollout.completions == ["<<2*3>> A6", "<<2*3>>=6A6"]
+    assert engine.last.stop_reasons == ["answer", "answer"] and engine.last.tool_calls == [0, 1]
+    assert rollout.sampled_mask[0, :10].tolist() == [1] * 10  # every token of the cot completion is the policy's
+    assert rollout.sampled_mask[1, :12].tolist() == [1] * 7 + [0] * 2 + [1] * 3
 
 
 def test_round_seeds():
@@ -536,3 +586,92 @@ def test_mode_metrics_golden():
                    "mode/tir/length_mean": 4.5, "mode/tir/tool_calls_mean": 1.0}
     one_mode = dataclasses.replace(rollout, rows=[{"mode": "cot"}] * 4)
     assert mode_metrics(one_mode, result) == {}  # the step's own numbers already say it
+
+
+def test_a_tokenizer_that_cannot_write_the_tools_texts_is_refused_at_start():
+    from grpokit.config import ConfigError
+
+    without_fences = build_char_tokenizer(arithmetic.ALPHABET)  # the chain task's characters: no "`"
+    with pytest.raises(ConfigError, match=r"cannot write '```output', which the python tool needs .*"
+                                          r"model.tiny.alphabet=arithmetic-tir"):
+        ToolEngine(IdScript(without_fences, {}), without_fences, PythonTool())
+    ToolEngine(IdScript(build_char_tokenizer(CHARS), {}), build_char_tokenizer(CHARS), PythonTool())  # has them
+
+
+# --- real data: examples/gsm8k_math_tir_grpo.yaml on GSM8K rows ---------------------------------
+
+TIR_REPLY = "```python\nprint(6*7)\n```\n```output\n42\n```\nSo the answer is \\boxed{42}."
+GSM8K_ROWS = [{"question": f"A shop sells {i} boxes of {j} pens. How many pens?", "answer": f"{i}*{j}\n#### {i * j}"}
+              for i, j in [(2, 3), (4, 5), (6, 7), (8, 9), (3, 3), (5, 5), (7, 7), (9, 9)]]
+
+
+@pytest.fixture(scope="module")
+def program_writer(tmp_path_factory):
+    """A tiny Llama with a printable-ASCII tokenizer taught to answer each GSM8K_ROWS question, in
+    either prompt (DeepSeekMath's, in the bare layout training renders), with TIR_REPLY: a program,
+    its output block and a boxed answer. Saved in hub format."""
+    from grpokit.build import ASCII_ALPHABET
+    from grpokit.checkpoint import save_checkpoint
+    from grpokit.data.templates import instruction_text, plain_text
+
+    tok = build_char_tokenizer(ASCII_ALPHABET)
+    torch.manual_seed(0)
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
+    prompts = [plain_text(instruction_text(r["question"], mode), "bare")
+               for r in GSM8K_ROWS for mode in ("cot", "tir")]
+    rows = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    reply = tok(TIR_REPLY, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    width = max(map(len, rows)) + len(reply)
+    ids = torch.tensor([r + reply + [tok.pad_token_id] * (width - len(r) - len(reply)) for r in rows])
+    mask = torch.tensor([[1] * (len(r) + len(reply)) + [0] * (width - len(r) - len(reply)) for r in rows])
+    labels = torch.full_like(ids, -100)
+    for i, r in enumerate(rows):
+        labels[i, len(r) : len(r) + len(reply)] = torch.tensor(reply)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(400):  # about 200 steps
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        if out.loss.item() < 0.005:
+            break
+    assert out.loss.item() < 0.005
+    model.eval()
+    return save_checkpoint(model, tok, tmp_path_factory.mktemp("model") / "program-writer")
+
+
+def test_the_tir_example_trains_on_gsm8k_rows_through_the_tool(tmp_path, program_writer):
+    """examples/gsm8k_math_tir_grpo.yaml on GSM8K-format rows with a tiny model, only the budget made
+    tiny: half the questions get the TIR prompt, their rollouts run programs in the sandbox, every
+    step logs the tool's numbers and each mode's, and the run writes all its files."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    example = Path(__file__).resolve().parent.parent / "examples" / "gsm8k_math_tir_grpo.yaml"
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(example),
+                           f"--model.name_or_path={program_writer}", "--model.dtype=fp32", "--model.device=cpu",
+                           "--model.attn_implementation=eager", f"--output_dir={run}",
+                           f"--data.sources=[{{path: '{data}', format: gsm8k}}]",
+                           f"--data.eval_sources=[{{path: '{data}', format: gsm8k, max_rows: 4}}]",
+                           "--grpo.max_steps=2", "--grpo.num_generations=2", "--grpo.prompts_per_step=4",
+                           "--grpo.max_completion_length=96", "--grpo.generation_batch_size=8",
+                           "--grpo.micro_batch_size=8", "--grpo.save_steps=1", "--grpo.temperature=0.3", "--eval.k=1",
+                           "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert any(m.get("mode/tir/samples", 0) > 0 for m in metrics)
+    tir_calls = [m["mode/tir/tool_calls_mean"] for m in metrics if m.get("mode/tir/samples")]
+    assert tir_calls and min(tir_calls) >= 1.0  # every TIR sample ran its program
+    assert all(m["tool/failed_frac"] == 0 and m["tool/wall_s"] > 0 and m["tool/rounds"] >= 2 for m in metrics)
+    # 6*7 = 42 is right for one question only: the reward sees the program's outcome
+    assert all({"mode/tir/math_accuracy", "mode/cot/math_accuracy"} <= set(m) for m in metrics)
+    for name in ("config.yaml", "summary.json", "results.md", "heldout-after.jsonl", "checkpoints/step-2"):
+        assert (run / name).exists(), name

@@ -66,7 +66,7 @@ def test_train_from_a_yaml_config_on_gsm8k_format_data(tmp_path):
 
 
 def test_example_configs_are_valid():
-    for name in ("gsm8k_math_grpo.yaml", "cpu_gsm8k_sft.yaml", "cpu_gsm8k_grpo.yaml"):
+    for name in ("gsm8k_math_grpo.yaml", "gsm8k_math_tir_grpo.yaml", "cpu_gsm8k_sft.yaml", "cpu_gsm8k_grpo.yaml"):
         load_config(REPO / "examples" / name)
     paper = load_config(REPO / "examples" / "gsm8k_math_grpo.yaml").grpo
     assert (paper.learning_rate, paper.beta, paper.num_generations, paper.max_completion_length) == (1e-6, 0.04, 64, 1024)

@@ -127,13 +127,23 @@ def run_sft(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> P
         log = run_dir / SFT_METRICS
         with (MetricsWriter(log) if distributed.is_main() else NullWriter()) as writer:
             losses = sft_train(model, tokenizer, [(r["prompt"], r["completion"]) for r in demos], config.sft,
-                               seed=config.seed, progress=progress, on_step=writer.write)
+                               seed=config.seed, progress=progress, on_step=writer.write,
+                               tool_spans=_demonstration_tool_spans(config))
         path = save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "sft")
         if distributed.is_main():
             plot_loss_curve(read_metrics(log), run_dir / SFT_LOSS_CURVE, title=f"grpokit SFT (seed {config.seed})")
     print(f"saved {path} ({len(demos)} demonstrations, final loss {losses[-1]:.4f}); "
           f"loss per step in {run_dir / SFT_METRICS} and {run_dir / SFT_LOSS_CURVE}")
     return path
+
+
+def _demonstration_tool_spans(config: Config):
+    """sft.mask_tool_output: the output_spans of rollout.tool (else the python tool), which SFT
+    leaves out of the loss; None to train on every completion token."""
+    if not config.sft.mask_tool_output:
+        return None
+    tool = make_tool(config.rollout.tool or "python", **(config.rollout.tool_args if config.rollout.tool else {}))
+    return getattr(tool, "output_spans", None)
 
 
 def run_demo(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> dict:

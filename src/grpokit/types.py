@@ -20,6 +20,8 @@ class Rollout:
     prompt_length:   P, the padded prompt width; completions start at column P
     sampled_mask:    [N, T] 1 on tokens the policy sampled (0 on injected tool output); None = completion_mask
     sampling_logp:   [N, T] each sampled token's log-prob under the engine that sampled it, or None
+    failed:          [N] True where the rollout itself failed (a tool raised in the harness): the sample
+                     gets no reward and stays out of the loss; None = none failed
     """
 
     prompts: list[str]
@@ -33,6 +35,7 @@ class Rollout:
     rows: list[dict] = field(default_factory=list)  # dataset row of each sample, repeated G times
     sampled_mask: torch.Tensor | None = None
     sampling_logp: torch.Tensor | None = None
+    failed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
@@ -106,4 +109,7 @@ class Rollout:
             sampled_mask=None if any(r.sampled_mask is None for r in parts) else
             torch.cat([completion_part(r.sampled_mask) for r in parts]),
             sampling_logp=None if any(r.sampling_logp is None for r in parts) else
-            torch.cat([completion_part(r.sampling_logp) for r in parts]))
+            torch.cat([completion_part(r.sampling_logp) for r in parts]),
+            failed=None if all(r.failed is None for r in parts) else
+            torch.cat([torch.zeros(r.num_samples, dtype=torch.bool) if r.failed is None else r.failed.cpu()
+                       for r in parts]))

@@ -219,6 +219,9 @@ class SFTConfig:
                "gradients over micro-batches, so this bounds memory, not results; must be >= the longest example")
     checkpoint: str = opt("", "demo: start RL from this saved pi_SFT instead of training one (compare variants "
                               "on one pi_SFT)")
+    mask_tool_output: bool = opt(True, "leave tool output blocks in tool-integrated demonstrations (after "
+                                       "```output, the block of rollout.tool, else python) out of the loss, as ToRA "
+                                       "and the RL loss do; false trains on them as text")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""

@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from grpokit import distributed
 from grpokit.rollout.sampler import SamplingParams, assemble_rollout, left_padded
-from grpokit.tools import Tool, ToolOutput, appended_text, run_calls, stopped_at
+from grpokit.tools import Tool, ToolOutput, appended_text, check_tokenizer, run_calls, stopped_at
 from grpokit.types import Rollout
 
 # Why a completion ended: "answer" (an EOS, or a stop string other than the tool's), "length"
 # (the limit on completion tokens, tool output included), "tool_limit" (the output of a call in
 # the last allowed round), "no_program" (the tool found no call before its stop string),
-# "tool_error" (the tool itself raised on the call).
+# "tool_error" (the tool itself raised on the call: the sample failed, Rollout.failed, and the loss
+# leaves it out).
 STOP_REASONS = ("answer", "length", "tool_limit", "no_program", "tool_error")
 
 
@@ -70,6 +72,9 @@ class ToolRollout:
     rollout: Rollout
     stop_reasons: list[str]
     tool_outputs: list[list[ToolOutput]]
+    rounds: int = 0  # rounds of generation run
+    generate_seconds: float = 0.0  # wall time in the engine
+    tool_seconds: float = 0.0  # wall time in the tool (its calls of a round run together)
 
     @property
     def tool_calls(self) -> list[int]:
@@ -77,8 +82,9 @@ class ToolRollout:
 
     def metrics(self) -> dict[str, float]:
         """tool/* numbers of the batch: calls per completion, shares of calls that failed, timed
-        out or crashed the tool, the tool's seconds, the share of completion tokens it wrote, and
-        the share of completions per stop reason."""
+        out or crashed the tool, the tool's seconds (summed over calls, and the wall time beside the
+        engine's), the rounds, the share of completion tokens it wrote, and the share of completions
+        per stop reason."""
         calls = [o for outputs in self.tool_outputs for o in outputs]
         n = max(1, len(calls))
         mask = self.rollout.completion_mask
@@ -89,6 +95,9 @@ class ToolRollout:
             "tool/timeout_frac": sum(o.timed_out for o in calls) / n,
             "tool/error_frac": sum(o.error is not None for o in calls) / n,
             "tool/seconds": sum(o.seconds for o in calls),
+            "tool/wall_s": self.tool_seconds,
+            "tool/generate_wall_s": self.generate_seconds,
+            "tool/rounds": self.rounds,
             "tool/output_token_frac": float((mask.sum() - sampled.sum()) / mask.sum().clamp(min=1)),
         }
         out.update({f"tool/stop_{reason}_frac": self.stop_reasons.count(reason) / max(1, len(self.stop_reasons))
@@ -125,11 +134,13 @@ def _check_rounds(max_tool_calls: int) -> None:
 
 def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: int, params: SamplingParams,
                        tool: Tool, max_tool_calls: int = 4, rows: list[dict] | None = None,
-                       seeds: list[int] | None = None) -> ToolRollout:
+                       seeds: list[int] | None = None, with_tool: list[bool] | None = None) -> ToolRollout:
     """`num_generations` multi-turn completions of each prompt (groups contiguous, as
     RolloutEngine.generate), calling `tool` in at most `max_tool_calls` rounds. `seeds`: one per
     completion (request_seeds), for engines with per-request seeds. The tool's stop string is
-    added to params.stop."""
+    added to params.stop. `with_tool`: per prompt, whether the tool answers it (default: every
+    prompt); for one it does not (a chain-of-thought question), the stop string is text and
+    sampling goes on in the next round, as if it had not paused."""
     _check_rounds(max_tool_calls)
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -142,18 +153,26 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
     limit = params.max_new_tokens
     prompt_ids = [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
                   for _ in range(num_generations)]
+    if with_tool is not None and len(with_tool) != len(prompts):
+        raise ValueError(f"got {len(with_tool)} with_tool flags for {len(prompts)} prompts")
+    answers = [True if with_tool is None else bool(with_tool[i // num_generations]) for i in range(len(prompt_ids))]
     completions = [_Completion() for _ in prompt_ids]
     active = list(range(len(completions)))
+    rounds, generate_seconds, tool_seconds = 0, 0.0, 0.0
     for round_index in range(max_tool_calls):
         # Under torchrun each process's engine call may be a collective (a sharded policy is gathered,
         # a tensor-parallel vLLM pools requests): all go on while any has a completion to continue, one
         # with none left calling with no contexts.
         if not (distributed.any_process(bool(active)) if distributed.world_size() > 1 else active):
             break
+        start = time.perf_counter()
         continuations = engine.continue_ids(
             [prompt_ids[i] + completions[i].ids for i in active], [limit - len(completions[i].ids) for i in active],
             params, round_seeds(None if seeds is None else [seeds[i] for i in active], round_index))
+        generate_seconds += time.perf_counter() - start
+        rounds += 1
         calls: list[tuple[int, str, str]] = []  # (completion, call, overhang after the stop string)
+        goes_on: list[int] = []  # paused at the stop string of a tool that does not answer them
         for i, continuation in zip(active, continuations, strict=True):
             completion = completions[i]
             completion.extend(continuation.ids, sampled=True, logp=continuation.logp)
@@ -171,13 +190,18 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
             if len(completion.ids) >= limit:
                 completion.reason = "length"  # no room left for the tool's output
                 continue
+            if not answers[i]:
+                goes_on.append(i)
+                continue
             call = tool.parse(text)
             if call is None:
                 completion.reason = "no_program"
                 continue
             calls.append((i, call, overhang))
+        start = time.perf_counter()
         outputs = run_calls(tool, [call for _, call, _ in calls])
-        active = []
+        tool_seconds += time.perf_counter() - start
+        active = goes_on
         for (i, _, overhang), output in zip(calls, outputs, strict=True):
             completion = completions[i]
             completion.outputs.append(output)
@@ -191,10 +215,11 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
                 completion.reason = "length"
             else:
                 active.append(i)
-    for i in active:
+    for i in sorted(active):
         completions[i].reason = "tool_limit"
     return ToolRollout(_assemble(tokenizer, prompts, num_generations, prompt_ids, completions, rows),
-                       [c.reason for c in completions], [c.outputs for c in completions])
+                       [c.reason for c in completions], [c.outputs for c in completions], rounds, generate_seconds,
+                       tool_seconds)
 
 
 def _assemble(tokenizer, prompts: list[str], num_generations: int, prompt_ids: list[list[int]],
@@ -215,8 +240,10 @@ def _assemble(tokenizer, prompts: list[str], num_generations: int, prompt_ids: l
             sampling_logp[row, : len(c.ids)] = torch.tensor(c.logp, dtype=torch.float32)
     truncated = torch.tensor([c.reason == "length" for c in completions])
     ids, mask = left_padded(prompt_ids, tokenizer.pad_token_id)
-    return assemble_rollout(tokenizer, prompts, num_generations, ids, mask, completion_ids, completion_mask,
-                            truncated, rows, sampling_logp, sampled_mask)
+    rollout = assemble_rollout(tokenizer, prompts, num_generations, ids, mask, completion_ids, completion_mask,
+                               truncated, rows, sampling_logp, sampled_mask)
+    rollout.failed = torch.tensor([c.reason == "tool_error" for c in completions])
+    return rollout
 
 
 class ToolEngine:
@@ -229,6 +256,7 @@ class ToolEngine:
     def __init__(self, engine, tokenizer, tool: Tool, max_tool_calls: int = 4):
         check_engine(engine)
         _check_rounds(max_tool_calls)
+        check_tokenizer(tool, tokenizer)
         self.engine, self.tokenizer, self.tool, self.max_tool_calls = engine, tokenizer, tool, max_tool_calls
         self.last: ToolRollout | None = None
 
@@ -237,13 +265,21 @@ class ToolEngine:
         return self.engine.copies_weights
 
     def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
+        """The multi-turn rollout of `prompts`; the tool answers every prompt but those whose row's
+        "mode" is "cot" (task.prompt_modes), which sample as a single-turn rollout would."""
+        with_tool = [row.get("mode") != "cot" for row in rows] if rows else None
         self.last = multi_turn_rollout(self.engine, self.tokenizer, prompts, num_generations, params, self.tool,
-                                       self.max_tool_calls, rows, seeds)
+                                       self.max_tool_calls, rows, seeds, with_tool)
         return self.last.rollout
 
     def rollout_metrics(self) -> dict[str, float]:
         """The last batch's tool/* numbers (ToolRollout.metrics), which the training loop logs."""
         return self.last.metrics() if self.last is not None else {}
+
+    def failure(self) -> str:
+        """What failed the last batch's failed samples, in words, for the message that stops a run."""
+        errors = [o.error for outputs in (self.last.tool_outputs if self.last else []) for o in outputs if o.error]
+        return f"the tool {self.tool.name!r} raised on every call (last error: {errors[-1] if errors else 'none'})"
 
     def sync_weights(self, model: torch.nn.Module, state_dict: dict | None = None) -> None:
         self.engine.sync_weights(model, state_dict)

@@ -101,6 +101,19 @@ def format_tool_output(result: SandboxResult) -> str:
     return f"{OUTPUT_STOP}\n{shorten(shown.strip()).strip()}\n```\n"
 
 
+def output_spans(text: str) -> list[tuple[int, int]]:
+    """[start, end) after each "```output" up to and including the next "```" and the newline
+    after it (or the text's end): the output blocks, as tool_output appends them."""
+    spans, at = [], text.find(OUTPUT_STOP)
+    while at >= 0:
+        start = at + len(OUTPUT_STOP)
+        close = text.find("```", start)
+        end = len(text) if close < 0 else close + 3 + text.startswith("\n", close + 3)
+        spans.append((start, end))
+        at = text.find(OUTPUT_STOP, end)
+    return spans
+
+
 def tool_output(result: SandboxResult) -> ToolOutput:
     """A program's result as the text appended after "```output" (its output block's rest)."""
     return ToolOutput(format_tool_output(result)[len(OUTPUT_STOP) :], failed=result.error is not None,
@@ -125,6 +138,7 @@ class PythonTool:
     name: ClassVar[str] = "python"
     stop: ClassVar[str] = OUTPUT_STOP
     instruction: ClassVar[str] = TIR_INSTRUCTION
+    texts: ClassVar[tuple[str, ...]] = ("```python\n", "```\n")  # a program's fences
 
     def __post_init__(self) -> None:
         if self.program not in PROGRAMS:
@@ -132,6 +146,11 @@ class PythonTool:
 
     def parse(self, completion: str) -> str | None:
         return PROGRAMS[self.program](completion)
+
+    def output_spans(self, text: str) -> list[tuple[int, int]]:
+        """[start, end) of each output block's text after "```output" in a demonstration, through the
+        closing fence's newline: what the tool, not the policy, writes in a rollout."""
+        return output_spans(text)
 
     def run(self, calls: Sequence[str]) -> list[ToolOutput]:
         results = run_many(list(calls), timeout_s=self.timeout_s, memory_mb=self.memory_mb, workers=self.workers)

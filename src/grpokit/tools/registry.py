@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from grpokit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ToolOutput:
@@ -48,6 +50,8 @@ class Tool(Protocol):
     name: str
     stop: str  # generation stops right after the policy writes this string
     instruction: str  # what the prompt tells the policy about the tool
+    # Optional: `texts`, the strings besides `stop` the policy must be able to write for a call
+    # (fences, ...); check_tokenizer refuses a tokenizer that cannot.
 
     def parse(self, completion: str) -> str | None:
         """The call in `completion` (the policy's text so far, ending with `stop`), or None when
@@ -77,6 +81,20 @@ def make_tool(name: str, **options) -> Tool:
         raise ValueError(f"unknown tool {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
                          f"registered: {', '.join(sorted(TOOLS))}")
     return TOOLS[name](**options)
+
+
+def check_tokenizer(tool: Tool, tokenizer) -> None:
+    """Refuse, before any rollout, a tokenizer that cannot write the tool's stop string or its
+    other texts: tokenised and decoded, each must come back as it was (no unknown token, nothing
+    lost), or the policy could never call the tool."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for text in (tool.stop, *getattr(tool, "texts", ())):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        back = tokenizer.decode(ids, skip_special_tokens=True)
+        if back != text or (unk is not None and unk in ids):
+            raise ConfigError(f"the tokenizer cannot write {text!r}, which the {tool.name} tool needs (it comes back "
+                              f"as {back!r}); use a tokenizer whose vocabulary covers it (the tiny model: "
+                              "model.tiny.alphabet=arithmetic-tir), or another rollout.tool")
 
 
 def stopped_at(text: str, stop: str) -> str | None:

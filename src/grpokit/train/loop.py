@@ -171,6 +171,7 @@ class Trainer:
         self.seed = seed
         self._order: list[int] = []
         self._failed_streak = {r.name: 0 for r in rewards}
+        self._failed_rollout_streak = 0
         self._nonfinite_streak = 0
         self._warned_no_signal = False
         self.global_step = 0
@@ -517,8 +518,11 @@ class Trainer:
     def _score(self, rollout: Rollout) -> RewardResult:
         if not self.rewards:  # process supervision alone: every sample is scored by the PRM
             n = rollout.num_samples
-            return RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
+            result = RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
+            self._check_failed_rollouts(rollout, result)
+            return result
         result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows))
+        self._check_failed_rollouts(rollout, result)
         local_failures = set(result.all_failed())
         failed_everywhere = {r.name for r in self.rewards if distributed.all_agree(r.name in local_failures)}
         for name in self._failed_streak:
@@ -529,6 +533,22 @@ class Trainer:
                     f"consecutive steps (last error: {result.errors.get(name)}); fix it or remove it from `rewards`"
                 )
         return result
+
+    def _check_failed_rollouts(self, rollout: Rollout, result: RewardResult) -> None:
+        """Samples whose rollout failed (Rollout.failed: a tool raised in the harness) get no reward,
+        so no advantage and no place in the loss, and the run goes on; after grpo.max_failed_steps
+        steps in which every sample failed, on every process, it stops saying what failed."""
+        failed = rollout.failed.cpu() if rollout.failed is not None else torch.zeros(rollout.num_samples, dtype=torch.bool)
+        if failed.any():
+            result.valid = result.valid & ~failed
+            result.total = torch.where(failed, torch.nan, result.total)
+        everything = distributed.all_agree(bool(failed.all()))
+        self._failed_rollout_streak = self._failed_rollout_streak + 1 if everything else 0
+        if self._failed_rollout_streak >= self.config.max_failed_steps:
+            describe = getattr(self.engine, "failure", None)
+            what = describe() if describe is not None else "the rollout engine failed every sample"
+            raise RewardFailure(f"every rollout failed for {self._failed_rollout_streak} consecutive steps: {what}; "
+                                "fix it, or run without rollout.tool")
 
     def reset_reference(self) -> None:
         """pi_ref <- pi_theta, as iterative GRPO does at the start of each iteration (Algorithm 1)."""
@@ -550,6 +570,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "sampler": {"rng": self.rng.getstate(), "order": torch.tensor(self._order, dtype=torch.int64)},
             "failed_streak": dict(self._failed_streak),
+            "failed_rollout_streak": self._failed_rollout_streak,
             "nonfinite_streak": self._nonfinite_streak,
             "rng": train_state.capture_rng(),
             **self.algorithm.state_dict(),
@@ -562,6 +583,7 @@ class Trainer:
         self.rng.setstate(train_state.as_tuple(state["sampler"]["rng"]))
         self._order = state["sampler"]["order"].tolist()
         self._failed_streak.update(state["failed_streak"])
+        self._failed_rollout_streak = int(state.get("failed_rollout_streak", 0))  # absent before tool rollouts
         self._nonfinite_streak = int(state["nonfinite_streak"])
         self.algorithm.load_state_dict(state)
         train_state.restore_rng(state["rng"])

@@ -37,16 +37,37 @@ from grpokit.train.schedule import make_optimizer, warmup_cosine
 IGNORE = -100  # label of prompt and padding tokens: no loss there
 
 
-def tokenize_examples(tokenizer, examples: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
-    """(prompt, completion) pairs -> (token ids of prompt + completion + EOS, prompt length)."""
+def tokenize_examples(tokenizer, examples: list[tuple[str, str]], tool_spans=None) -> list[tuple]:
+    """(prompt, completion) pairs -> (token ids of prompt + completion + EOS, prompt length). With
+    `tool_spans(completion) -> [(start, end), ...]` (a tool's output_spans), those spans of a
+    completion are the tool's output: each is tokenised as its own segment, as a multi-turn rollout
+    appends it (rollout/multi_turn.py), and a third element, one flag per token, is 0 on them, so
+    the loss leaves them out (ToRA; the RL loss's policy mask)."""
     out = []
     for i, (prompt, completion) in enumerate(examples):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        spans = tool_spans(completion) if tool_spans is not None else []
+        c, trained = _segments(tokenizer, completion, spans)
+        c, trained = c + [tokenizer.eos_token_id], trained + [1]
         if not p or len(c) < 2:
             raise ValueError(f"SFT example {i} has an empty prompt or completion: {prompt!r} -> {completion!r}")
-        out.append((p + c, len(p)))
+        out.append((p + c, len(p), [1] * len(p) + trained) if spans else (p + c, len(p)))
     return out
+
+
+def _segments(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Token ids of `text` tokenised segment by segment at the span boundaries, and per token 1
+    outside `spans`, 0 inside."""
+    ids, trained, at = [], [], 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, flag in ((text[at:start], 1), (text[start:end], 0)):
+            if piece:
+                piece_ids = tokenizer(piece, add_special_tokens=False,
+                                      split_special_tokens=not flag)["input_ids"]
+                ids += piece_ids
+                trained += [flag] * len(piece_ids)
+        at = end
+    return ids, trained
 
 
 def collate(batch: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -73,14 +94,16 @@ class TokenizedExamples:
     prompt_lengths: list[int]
 
     @classmethod
-    def of(cls, data: list[tuple[list[int], int]]) -> TokenizedExamples:
-        lengths = [len(seq) for seq, _ in data]
+    def of(cls, data: list[tuple]) -> TokenizedExamples:
+        """From (ids, prompt length) or (ids, prompt length, per-token 0/1: trained on) examples."""
+        lengths = [len(item[0]) for item in data]
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
-        ids = torch.tensor([t for seq, _ in data for t in seq])
-        labels = torch.tensor([IGNORE if i < prompt_len else t for seq, prompt_len in data for i, t in enumerate(seq)])
-        return cls(ids, labels, starts, lengths, [prompt_len for _, prompt_len in data])
+        ids = torch.tensor([t for item in data for t in item[0]])
+        labels = torch.tensor([IGNORE if i < item[1] or (len(item) > 2 and not item[2][i]) else t
+                               for item in data for i, t in enumerate(item[0])])
+        return cls(ids, labels, starts, lengths, [item[1] for item in data])
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -136,9 +159,12 @@ def packed_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -
 
 
 def padded_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """The same examples right-padded one per row, as `collate` lays them out."""
-    return collate([(examples.ids[examples.starts[i] : examples.starts[i] + examples.lengths[i]].tolist(),
-                     examples.prompt_lengths[i]) for i in indices], pad_id)
+    """The same examples right-padded one per row, as `collate` lays them out, with their labels."""
+    batch = collate([(examples.ids[examples.starts[i] : examples.starts[i] + examples.lengths[i]].tolist(),
+                      examples.prompt_lengths[i]) for i in indices], pad_id)
+    for row, i in enumerate(indices):  # tool output is unlabelled too (tokenize_examples)
+        batch["labels"][row, : examples.lengths[i]] = examples.labels[examples.starts[i] : examples.starts[i] + examples.lengths[i]]
+    return batch
 
 
 def row_widths(labels: torch.Tensor) -> torch.Tensor:
@@ -243,10 +269,11 @@ def packing_matches_padding(model, examples: TokenizedExamples, indices: list[in
 
 
 def sft_train(model, tokenizer, examples: list[tuple[str, str]], config: SFTConfig, seed: int = 0,
-              progress: bool = True, on_step=None) -> list[float]:
+              progress: bool = True, on_step=None, tool_spans=None) -> list[float]:
     """Train `model` in place on (prompt, completion) pairs; returns the loss of every step.
-    `on_step(row)` gets each step's step, loss, grad_norm, lr, tokens and step_time_s."""
-    data = TokenizedExamples.of(tokenize_examples(tokenizer, examples))
+    `on_step(row)` gets each step's step, loss, grad_norm, lr, tokens and step_time_s. `tool_spans`:
+    a tool's output_spans, whose text the loss leaves out (tokenize_examples)."""
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, examples, tool_spans))
     return train_on_examples(model, data, tokenizer.pad_token_id, config, seed, progress, on_step)
 
 
