@@ -529,6 +529,24 @@ def test_torchrun_refuses_a_batch_the_world_size_does_not_split_before_any_model
     assert not (tmp_path / "run").exists()
 
 
+def test_torchrun_trains_with_tool_rollouts_and_mixed_prompt_modes(tmp_path):
+    """`torchrun --nproc_per_node=2 -m grpokit train` with rollout.tool and CoT + TIR prompts: each
+    process samples its own questions through the tool, and the per-mode numbers are the whole
+    batch's (summed over processes, the same keys on both even when one holds a single mode)."""
+    import json
+
+    run = tmp_path / "run"
+    done = subprocess.run(torchrun(2, "train", config_file(tmp_path), f"--output_dir={run}", "--grpo.max_steps=2",
+                                   "--rollout.tool=python", "--task.prompt_modes={cot: 0.5, tir: 0.5}", *TINY),
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["mode/cot/samples"] + r["mode/tir/samples"] == 16  # 4 questions x 4 samples, both processes
+        assert "tool/calls_mean" in r and "tool/stop_answer_frac" in r
+
+
 @pytest.mark.slow
 def test_torchrun_grpo_from_the_demo_pi_sft_learns_and_resumes_exactly_after_sigkill(tmp_path, seed0_demo):
     """The demo's RL stage on 2 processes: `torchrun --nproc_per_node=2 -m grpokit train` from the

@@ -584,8 +584,11 @@ def test_mode_metrics_golden():
                    "mode/cot/length_mean": 3.0, "mode/cot/tool_calls_mean": 0.0,
                    "mode/tir/samples": 2, "mode/tir/reward_mean": 1.0, "mode/tir/accuracy": 1.0,
                    "mode/tir/length_mean": 4.5, "mode/tir/tool_calls_mean": 1.0}
-    one_mode = dataclasses.replace(rollout, rows=[{"mode": "cot"}] * 4)
-    assert mode_metrics(one_mode, result) == {}  # the step's own numbers already say it
+    # a batch (or a process's share of one) with one mode still logs both: every process the same keys
+    one_mode = mode_metrics(dataclasses.replace(rollout, rows=[{"mode": "cot"}] * 4), result)
+    assert one_mode["mode/cot/samples"] == 4 and one_mode["mode/cot/reward_mean"] == pytest.approx(2 / 3)
+    assert one_mode["mode/tir/samples"] == 0 and math.isnan(one_mode["mode/tir/reward_mean"])
+    assert mode_metrics(dataclasses.replace(rollout, rows=[{}] * 4), result) == {}  # not a mixed run
 
 
 def test_a_tokenizer_that_cannot_write_the_tools_texts_is_refused_at_start():
