@@ -181,10 +181,10 @@ def test_sft_train_pads_when_packing_would_mix_examples(tokenizer, sft_pairs, ca
 # --------------------------------------------------------------------------- tool output in demonstrations
 
 
-def test_tool_output_in_a_demonstration_is_its_own_segment_and_unlabelled():
-    """sft.mask_tool_output: a TIR demonstration's output block (after ```output, through the
-    closing fence) is tokenised as a multi-turn rollout appends it and left out of the loss; the
-    program before it and the answer after it are trained on. Worked by hand, one token per
+def test_tool_output_in_a_demonstration_is_unlabelled():
+    """sft.mask_tool_output: the tokens of a TIR demonstration's output block (after ```output,
+    through the closing fence) are left out of the loss; the program before it and the answer after
+    it are trained on, and the ids are the completion's as one text. Worked by hand, one token per
     character."""
     from grpokit.models import build_char_tokenizer
     from grpokit.tools.python import PythonTool

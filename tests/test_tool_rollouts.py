@@ -365,6 +365,11 @@ def test_a_chain_of_thought_prompt_in_the_batch_is_never_answered_by_the_tool(ti
     assert engine.last.stop_reasons == ["answer", "answer"] and engine.last.tool_calls == [0, 1]
     assert rollout.sampled_mask[0, :10].tolist() == [1] * 10  # every token of the cot completion is the policy's
     assert rollout.sampled_mask[1, :12].tolist() == [1] * 7 + [0] * 2 + [1] * 3
+    # max_tool_calls counts calls, not rounds: a cot row's pause never ends it, even with one call allowed
+    script = {"Q: 5\n": [char_ids(tok, "<<2*3>>"), char_ids(tok, " A6") + [eos]]}
+    engine = ToolEngine(IdScript(tok, script), tok, Calculator(), max_tool_calls=1)
+    rollout = engine.generate(list(script), 1, SamplingParams(40, temperature=0), rows=[{"mode": "cot"}])
+    assert rollout.completions == ["<<2*3>> A6"] and engine.last.stop_reasons == ["answer"]
 
 
 def test_round_seeds():

@@ -67,7 +67,7 @@ class Timings:
 
 
 class TimedTool:
-    """`tool` with the wall time of its runs and the number of calls added to `timings`."""
+    """`tool` with the wall time of its runs added to `timings`."""
 
     def __init__(self, tool: Tool, timings: Timings):
         self.tool, self.timings = tool, timings
@@ -80,9 +80,8 @@ class TimedTool:
         start = time.perf_counter()
         try:
             return self.tool.run(calls)
-        finally:
+        finally:  # calls are counted by `rollouts`, once each, even when the harness retries them alone
             self.timings.tools += time.perf_counter() - start
-            self.timings.programs += len(calls)
 
 
 class CountedEngine:
@@ -136,6 +135,7 @@ def rollouts(engine, tokenizer, prompts: list[str], mode: str, params: SamplingP
         for i, text, reason, outputs in zip(fits, result.rollout.completions, result.stop_reasons,
                                             result.tool_outputs, strict=True):
             out[i] = (TIRTrace(prompts[i], text, len(outputs), outputs), reason)
+        timings.programs += sum(result.tool_calls)
     elif batch:
         rollout = counted.generate(batch, 1, params, seeds=seeds)
         for i, text, cut in zip(fits, rollout.completions, rollout.truncated.tolist(), strict=True):

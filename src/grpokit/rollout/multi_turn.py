@@ -5,8 +5,8 @@ token so far) until the tool's stop string, an EOS, or the completion's length l
 calls of all completions that stopped at the tool run together (tools.run_calls), and each
 output's text is tokenised once, as its own segment, and appended to that completion's ids;
 the policy's sampled ids are never decoded and re-tokenised, so the trainer scores exactly
-the tokens that were sampled. At most `max_tool_calls` rounds: as in DeepSeekMath's
-evaluation (eval/tir.py), the output of the last round's call ends the completion.
+the tokens that were sampled. At most `max_tool_calls` calls per completion: as in
+DeepSeekMath's evaluation, the output of the last allowed call ends the completion.
 
 The Rollout's completion ids are the sampled ids and the tool segments in order;
 completion_mask covers both (tool output is context the policy reads), sampled_mask is 1 on
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -136,11 +137,12 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
                        tool: Tool, max_tool_calls: int = 4, rows: list[dict] | None = None,
                        seeds: list[int] | None = None, with_tool: list[bool] | None = None) -> ToolRollout:
     """`num_generations` multi-turn completions of each prompt (groups contiguous, as
-    RolloutEngine.generate), calling `tool` in at most `max_tool_calls` rounds. `seeds`: one per
+    RolloutEngine.generate), each calling `tool` at most `max_tool_calls` times. `seeds`: one per
     completion (request_seeds), for engines with per-request seeds. The tool's stop string is
     added to params.stop. `with_tool`: per prompt, whether the tool answers it (default: every
     prompt); for one it does not (a chain-of-thought question), the stop string is text and
-    sampling goes on in the next round, as if it had not paused."""
+    sampling goes on in the next round, as if it had not paused, until EOS or the length limit
+    (max_tool_calls counts calls, so such pauses never end it)."""
     _check_rounds(max_tool_calls)
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -159,7 +161,7 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
     completions = [_Completion() for _ in prompt_ids]
     active = list(range(len(completions)))
     rounds, generate_seconds, tool_seconds = 0, 0.0, 0.0
-    for round_index in range(max_tool_calls):
+    for round_index in itertools.count():  # every round adds a token to each completion it continues: it ends
         # Under torchrun each process's engine call may be a collective (a sharded policy is gathered,
         # a tensor-parallel vLLM pools requests): all go on while any has a completion to continue, one
         # with none left calling with no contexts.
@@ -211,12 +213,14 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
             segment = tool_segment(tokenizer, appended_text(output.text, overhang))
             room = limit - len(completion.ids)
             completion.extend(segment[:room], sampled=False)
-            if len(segment) > room or (len(segment) == room and round_index + 1 < max_tool_calls):
+            if len(segment) > room:
+                completion.reason = "length"
+            elif len(completion.outputs) >= max_tool_calls:  # the output of its last allowed call ends it
+                completion.reason = "tool_limit"
+            elif len(segment) == room:
                 completion.reason = "length"
             else:
                 active.append(i)
-    for i in sorted(active):
-        completions[i].reason = "tool_limit"
     return ToolRollout(_assemble(tokenizer, prompts, num_generations, prompt_ids, completions, rows),
                        [c.reason for c in completions], [c.outputs for c in completions], rounds, generate_seconds,
                        tool_seconds)

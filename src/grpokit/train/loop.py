@@ -48,7 +48,7 @@ from grpokit.rollout.logprobs import attended_ends
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.algorithm import Algorithm, Batch
-from grpokit.train.mode_metrics import mode_metrics
+from grpokit.train.mode_metrics import MODES, mode_metrics
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -104,7 +104,8 @@ def no_signal_warning(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> str 
 
 # Metrics rows are means over processes, except these, which add up or take the maximum.
 SUMMED_METRICS = ("rewards/failed", "rewards/timeouts", "perf/tokens_per_s")
-MAXED_METRICS = ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s",
+# mode/*/samples are already the whole batch's (mode_metrics sums them): the max keeps them, as integers
+MAXED_METRICS = tuple(f"mode/{mode}/samples" for mode in MODES) + ("completion/max_length", "skipped_updates", "perf/step_time_s", "perf/rollout_time_s",
                  "perf/scoring_time_s", "perf/logprob_time_s", "perf/update_time_s", "rollout/sync_time_s")
 
 
@@ -236,6 +237,7 @@ class Trainer:
         start = time.perf_counter()
         timings = {"perf/rollout_time_s": 0.0, "perf/scoring_time_s": 0.0}
         rollout, result, sampling = self._sample_groups(timings)
+        self._count_failed_steps(rollout)
         release = getattr(self.engine, "release_memory", None)
         if release is not None:  # the update may use the engine's memory; it gets new weights after
             release(weights_pushed_next=self.engine.copies_weights)
@@ -536,13 +538,16 @@ class Trainer:
 
     def _check_failed_rollouts(self, rollout: Rollout, result: RewardResult) -> None:
         """Samples whose rollout failed (Rollout.failed: a tool raised in the harness) get no reward,
-        so no advantage and no place in the loss, and the run goes on; after grpo.max_failed_steps
-        steps in which every sample failed, on every process, it stops saying what failed."""
-        failed = rollout.failed.cpu() if rollout.failed is not None else torch.zeros(rollout.num_samples, dtype=torch.bool)
-        if failed.any():
+        so no advantage and no place in the loss, and the run goes on."""
+        if rollout.failed is not None and rollout.failed.any():
+            failed = rollout.failed.cpu()
             result.valid = result.valid & ~failed
             result.total = torch.where(failed, torch.nan, result.total)
-        everything = distributed.all_agree(bool(failed.all()))
+
+    def _count_failed_steps(self, rollout: Rollout) -> None:
+        """After grpo.max_failed_steps steps in which every sample of the step (all generation
+        rounds, every process) failed its rollout, stop, saying what failed."""
+        everything = distributed.all_agree(rollout.failed is not None and bool(rollout.failed.all()))
         self._failed_rollout_streak = self._failed_rollout_streak + 1 if everything else 0
         if self._failed_rollout_streak >= self.config.max_failed_steps:
             describe = getattr(self.engine, "failure", None)

@@ -39,35 +39,26 @@ IGNORE = -100  # label of prompt and padding tokens: no loss there
 
 def tokenize_examples(tokenizer, examples: list[tuple[str, str]], tool_spans=None) -> list[tuple]:
     """(prompt, completion) pairs -> (token ids of prompt + completion + EOS, prompt length). With
-    `tool_spans(completion) -> [(start, end), ...]` (a tool's output_spans), those spans of a
-    completion are the tool's output: each is tokenised as its own segment, as a multi-turn rollout
-    appends it (rollout/multi_turn.py), and a third element, one flag per token, is 0 on them, so
-    the loss leaves them out (ToRA; the RL loss's policy mask)."""
+    `tool_spans(completion) -> [(start, end), ...]` (a tool's output_spans), those character spans
+    of a completion are the tool's output: a third element, one flag per token, is 0 on the tokens
+    that start inside one, so the loss leaves them out (ToRA; the RL loss's policy mask). The ids
+    are the completion's as one text either way: a token the text before a span runs into (the
+    newline after "```output") stays the policy's, as in a rollout."""
     out = []
     for i, (prompt, completion) in enumerate(examples):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         spans = tool_spans(completion) if tool_spans is not None else []
-        c, trained = _segments(tokenizer, completion, spans)
-        c, trained = c + [tokenizer.eos_token_id], trained + [1]
+        if spans:
+            encoded = tokenizer(completion, add_special_tokens=False, return_offsets_mapping=True)
+            c = list(encoded["input_ids"])
+            trained = [int(not any(a <= start < b for a, b in spans)) for start, _ in encoded["offset_mapping"]]
+        else:
+            c, trained = tokenizer(completion, add_special_tokens=False)["input_ids"], []
+        c = c + [tokenizer.eos_token_id]
         if not p or len(c) < 2:
             raise ValueError(f"SFT example {i} has an empty prompt or completion: {prompt!r} -> {completion!r}")
-        out.append((p + c, len(p), [1] * len(p) + trained) if spans else (p + c, len(p)))
+        out.append((p + c, len(p), [1] * len(p) + trained + [1]) if spans else (p + c, len(p)))
     return out
-
-
-def _segments(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """Token ids of `text` tokenised segment by segment at the span boundaries, and per token 1
-    outside `spans`, 0 inside."""
-    ids, trained, at = [], [], 0
-    for start, end in [*spans, (len(text), len(text))]:
-        for piece, flag in ((text[at:start], 1), (text[start:end], 0)):
-            if piece:
-                piece_ids = tokenizer(piece, add_special_tokens=False,
-                                      split_special_tokens=not flag)["input_ids"]
-                ids += piece_ids
-                trained += [flag] * len(piece_ids)
-        at = end
-    return ids, trained
 
 
 def collate(batch: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
