@@ -193,7 +193,10 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
                 completion.reason = "length"  # no room left for the tool's output
                 continue
             if not answers[i]:
-                goes_on.append(i)
+                if continuation.ids:  # an engine that wrote nothing new would only stop there again
+                    goes_on.append(i)
+                else:
+                    completion.reason = "answer"
                 continue
             call = tool.parse(text)
             if call is None:
