@@ -466,8 +466,8 @@ class RolloutConfig:
                                       "{low: 0.5, high: 2.0} (the defaults)")
     tool: str = opt("", "a registered tool the policy may call mid-completion in RL rollouts (python: the "
                         "sandbox, DeepSeekMath's TIR), its output masked out of the loss; empty = none")
-    max_tool_calls: int = opt(2, "with rollout.tool: rounds of generation per completion, each may end in a "
-                                 "tool call (as eval.max_tool_calls)")
+    max_tool_calls: int = opt(2, "with rollout.tool: tool calls per completion; the output of the last one ends "
+                                 "it (as eval.max_tool_calls)")
     tool_args: dict[str, Any] = opt({}, "options of rollout.tool, e.g. python: {timeout_s: 10.0, program: "
                                         "cumulative} (the defaults)")
 
@@ -530,7 +530,8 @@ class EvalConfig:
     batch_size: int = opt(512, "completions per generate call")
     tir: bool = opt(True, "also evaluate with tool-integrated reasoning (the built-in task: its programs run in "
                           "grpokit.sandbox), for a CoT/TIR before/after table")
-    max_tool_calls: int = opt(2, "TIR: rounds of generation, each may end in a program (DeepSeekMath: 2)")
+    max_tool_calls: int = opt(2, "TIR: programs a completion may run; the output of the last one ends it "
+                                 "(DeepSeekMath: 2)")
     tool_timeout_s: float = opt(10.0, "TIR: wall-clock limit of each program in seconds")
 
     def problems(self) -> Iterator[str]:

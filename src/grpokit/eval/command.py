@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                         "in RL); for a run's checkpoint, the run's grpo.max_completion_length unless given "
                         "(default: 1024)")
     p.add_argument("--max-tool-calls", type=int, default=EVAL.max_tool_calls,
-                   help="TIR: rounds of generation, each may run a program (default: %(default)s, as "
+                   help="TIR: programs a completion may run (default: %(default)s, as "
                         "eval.max_tool_calls)")
     p.add_argument("--tool-timeout", type=float, default=EVAL.tool_timeout_s,
                    help="TIR: seconds a program may run (default: %(default)s, as eval.tool_timeout_s)")

@@ -160,7 +160,7 @@ def evaluate_tir(
 ) -> TIRResult:
     """Greedy tool-integrated reasoning: each row's "prompt" is generated from until the model
     writes "```output", its program runs in grpokit.sandbox, the output is appended, and
-    generation goes on, for at most `max_tool_calls` rounds, `max_new_tokens` bounding the whole
+    generation goes on, for at most `max_tool_calls` calls, `max_new_tokens` bounding the whole
     completion, tool output included: the multi-turn rollout RL samples with (eval/tir.py). A
     completion is right when its extracted answer equals the row's reference as a string."""
     if not rows:
