@@ -66,39 +66,6 @@ class Timings:
     programs: int = 0
 
 
-class TimedTool:
-    """`tool` with the wall time of its runs added to `timings`."""
-
-    def __init__(self, tool: Tool, timings: Timings):
-        self.tool, self.timings = tool, timings
-        self.name, self.stop, self.instruction = tool.name, tool.stop, tool.instruction
-
-    def parse(self, completion: str) -> str | None:
-        return self.tool.parse(completion)
-
-    def run(self, calls: Sequence[str]) -> list[ToolOutput]:
-        start = time.perf_counter()
-        try:
-            return self.tool.run(calls)
-        finally:  # calls are counted by `rollouts`, once each, even when the harness retries them alone
-            self.timings.tools += time.perf_counter() - start
-
-
-class CountedEngine:
-    """`engine` with its generation calls (continue_ids and generate) counted in `timings`."""
-
-    def __init__(self, engine, timings: Timings):
-        self.engine, self.timings = engine, timings
-
-    def continue_ids(self, *args, **kwargs):
-        self.timings.generate_calls += 1
-        return self.engine.continue_ids(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):
-        self.timings.generate_calls += 1
-        return self.engine.generate(*args, **kwargs)
-
-
 def prompt_seeds(seed: int, prompts: Sequence[str]) -> list[int]:
     """One sampling seed per prompt from (seed, the prompt, how many identical prompts came before
     it): a completion does not depend on its batch (engines with per-request seeds; `hf` draws
@@ -127,17 +94,19 @@ def rollouts(engine, tokenizer, prompts: list[str], mode: str, params: SamplingP
     out = [(TIRTrace(prompt=p), "context_limit") for p in prompts]
     batch = [prompts[i] for i in fits]
     seeds = prompt_seeds(seed, batch) if params.temperature > 0 and batch else None
-    counted = CountedEngine(engine, timings)
     if batch and mode == "tir":
         check_engine(engine)
-        result = multi_turn_rollout(counted, tokenizer, batch, 1, params, TimedTool(tool or PythonTool(), timings),
-                                    max_tool_calls, seeds=seeds)
+        result = multi_turn_rollout(engine, tokenizer, batch, 1, params, tool or PythonTool(), max_tool_calls,
+                                    seeds=seeds)
         for i, text, reason, outputs in zip(fits, result.rollout.completions, result.stop_reasons,
                                             result.tool_outputs, strict=True):
             out[i] = (TIRTrace(prompts[i], text, len(outputs), outputs), reason)
         timings.programs += sum(result.tool_calls)
+        timings.tools += result.tool_seconds
+        timings.generate_calls += result.rounds
     elif batch:
-        rollout = counted.generate(batch, 1, params, seeds=seeds)
+        timings.generate_calls += 1
+        rollout = engine.generate(batch, 1, params, seeds=seeds)
         for i, text, cut in zip(fits, rollout.completions, rollout.truncated.tolist(), strict=True):
             out[i] = (TIRTrace(prompts[i], text), "length" if cut else "answer")
     timings.generate += time.perf_counter() - start - (timings.tools - tools_before)
