@@ -78,7 +78,7 @@ def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
 
 
 def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Path, progress: bool = True,
-                 ref_model=None, reward_scorer=None, engine=None):
+                 ref_model=None, reward_scorer=None, engine=None, remote=None):
     """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline. An
     outcome `reward_scorer` joins the rewards by weight; a process one gives process supervision."""
     rewards = build_rewards(config, tokenizer)
@@ -90,7 +90,7 @@ def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Pa
     engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
     logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
     common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
-                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged)
+                  rollout_config=config.rollout, save_merged=config.model.lora.save_merged, remote=remote)
     if config.algo == "ppo":
         return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
     return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)

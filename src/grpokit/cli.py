@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sub.add_parser("rollout-worker", help="grpokit rollout-worker --connect HOST:PORT --index I: sample for a trainer "
+                                          "started with rollout.workers (docs/async.md)", add_help=False).add_argument(
+        "worker_args", nargs=argparse.REMAINDER)
     sub.add_parser("eval", help="grpokit eval MODEL --data FILE...: CoT and tool-integrated accuracy (DeepSeekMath "
                                 "Table 5); see grpokit eval --help", add_help=False).add_argument(
         "eval_args", nargs=argparse.REMAINDER)
@@ -154,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     if argv[:1] == ["bench"]:
         return bench(argv[1:])  # its own usage, --help included
+    if argv[:1] == ["rollout-worker"]:
+        from grpokit.rollout_worker import main as worker_main  # see the imports at the top
+
+        return worker_main(argv[1:])
     if argv[:1] == ["eval"]:
         from grpokit.eval.command import main as eval_main  # see the imports at the top
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from grpokit import distributed
 from grpokit.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.checkpoint import save_checkpoint
-from grpokit.config import Config, ConfigError, check_world_size
+from grpokit.config import Config, ConfigError, check_world_size, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts
 from grpokit.data.reward_data import write_jsonl
 from grpokit.data.sniff import reward_model_examples
@@ -42,7 +42,8 @@ from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.report import report_results, stage_times
 from grpokit.resume import keep_rounds, resume_point
-from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, run_max_model_len
+from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, max_model_len, run_max_model_len
+from grpokit.rollout.remote import RemoteRollouts
 from grpokit.rundir import CLAIMED, NEW, claim_run_dir
 from grpokit.runlock import RunLock
 from grpokit.rollout.multi_turn import ToolEngine
@@ -53,6 +54,7 @@ from grpokit.eval.evaluate import evaluate_task
 from grpokit.eval.questions import write_heldout
 from grpokit.eval.records import write_heldout_completions
 from grpokit.train.grpo import frozen_copy
+from grpokit.train.loop import sampling_params
 from grpokit.train.iterative import rm_headline, run_iterations
 from grpokit.train.reward_model import (
     evaluate_reward_model,
@@ -331,6 +333,20 @@ def _rl_engine(config: Config, engine, tokenizer):
     tool = make_tool(config.rollout.tool, **config.rollout.tool_args)
     return ToolEngine(engine, tokenizer, tool, config.rollout.max_tool_calls)
 
+def _rollout_workers(config: Config, model, tokenizer, model_len: int | None, run_dir: Path):
+    """rollout.workers > 0: the rollout workers, started (or, with worker_launch=external, awaited) and
+    given the run's config; None: RL samples in this process."""
+    if not config.rollout.workers:
+        return None
+    started = time.perf_counter()
+    remote = RemoteRollouts(config.rollout, to_dict(config), model, dataclasses.asdict(sampling_params(config.grpo)),
+                            config.grpo.num_generations, model_len or max_model_len(config.rollout, model),
+                            config.distributed.timeout_s, run_dir / "logs", tokenizer.pad_token_id)
+    print(f"{config.rollout.workers} rollout worker(s) ready at {remote.address} in {time.perf_counter() - started:.1f}s; "
+          f"rollout.mode={config.rollout.mode}, staleness {config.rollout.staleness}")
+    return remote
+
+
 def run_train(config: Config, progress: bool = True, resume: bool | str = False, force: bool = False,
               timings: dict | None = None, started: float | None = None, run_dir_mode: str = NEW) -> dict:
     """RL (config.algo) from model.name_or_path; with `resume`, continue exactly from the latest
@@ -372,9 +388,14 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
                                       engine)
         if stage is not None:
             timings["reward_model_seconds"] = time.perf_counter() - t
+        remote = _rollout_workers(config, model, tokenizer, _train_model_len(config, task, tokenizer, rows, heldout),
+                                  run_dir)
+        if remote is not None:
+            cleanup.callback(remote.close)
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
-                               reward_scorer=stage.scorer if stage else None, engine=_rl_engine(config, engine, tokenizer))
+                               reward_scorer=stage.scorer if stage else None, engine=_rl_engine(config, engine, tokenizer),
+                               remote=remote)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             if distributed.is_main():

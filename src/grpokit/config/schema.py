@@ -21,6 +21,12 @@ from grpokit.rollout.registry import ENGINES, engine_spec  # the package import 
 from grpokit.tools import TOOLS  # the package import registers every tool
 
 
+def _is_address(text: str) -> bool:
+    """HOST:PORT with a port in 0..65535."""
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and int(port) <= 65535
+
+
 def opt(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         factory = default if callable(default) and not isinstance(default, (list, dict)) else (
@@ -470,10 +476,38 @@ class RolloutConfig:
                                  "it (as eval.max_tool_calls)")
     tool_args: dict[str, Any] = opt({}, "options of rollout.tool, e.g. python: {timeout_s: 10.0, program: "
                                         "cumulative} (the defaults)")
+    mode: Literal["sync", "one_step_off", "async"] = opt(
+        "sync", "sync: each step samples from the weights it then updates (the paper's loop); one_step_off: step "
+                "t+1's batch is sampled while step t learns, from the weights after step t-1; async: a batch is "
+                "sampled from the weights rollout.max_staleness steps older (docs/async.md). Off-policy batches "
+                "are corrected by rollout.is_correction (tis unless it names one). Needs rollout.workers >= 1")
+    max_staleness: int = opt(2, "async: how many policy versions older than the update a batch is sampled from "
+                                "(0 = sync, 1 = one_step_off); the schedule is fixed, so a run is reproducible")
+    workers: int = opt(0, "rollout worker processes, each with its own engine, fed prompts and weights by the "
+                          "trainer over torch.distributed; 0 = sample in the trainer's process (sync only)")
+    worker_launch: Literal["spawn", "external"] = opt(
+        "spawn", "spawn: the trainer starts its workers on this machine; external: it waits for rollout.workers "
+                 "`grpokit rollout-worker --connect HOST:PORT --index I` processes, started anywhere that "
+                 "reaches rollout.worker_address")
+    worker_address: str = opt("127.0.0.1:0", "HOST:PORT where the trainer listens for its rollout workers; port 0 "
+                                              "= a free port, printed at start")
+    worker_threads: int = opt(0, "torch threads of each spawned rollout worker; 0 = torch's default")
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions between the weights that sample a batch and the update that learns from it."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+    def off_policy_correction(self) -> str | None:
+        """The correction the loss applies given the sampler's log-probs: rollout.is_correction, or tis
+        when batches are sampled by an older policy (decoupled PPO, docs/algorithm.md); None = none."""
+        if self.is_correction != "none":
+            return self.is_correction
+        return "tis" if self.staleness > 0 else None
 
     def correction_args(self) -> dict[str, Any]:
         """is_args as rollout.is_correction receives them: for tis, is_cap is its cap unless is_args names one."""
-        return {**({"cap": self.is_cap} if self.is_correction == "tis" else {}), **self.is_args}
+        return {**({"cap": self.is_cap} if self.off_policy_correction() == "tis" else {}), **self.is_args}
 
     def problems(self) -> Iterator[str]:
         """This section's own rules; rollout.is_correction and rollout.engine name registered pieces,
@@ -488,6 +522,19 @@ class RolloutConfig:
              f"fraction of GPU memory vLLM takes beside training, e.g. 0.5"),
             (r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"),
             (r.max_tool_calls >= 1, f"rollout.max_tool_calls must be >= 1, got {r.max_tool_calls}"),
+            (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 policy versions, got {r.max_staleness}: "
+                                   "0 samples each batch from the weights it updates, 2 lets a batch be 2 versions "
+                                   "old"),
+            (r.workers >= 0, f"rollout.workers must be >= 0, got {r.workers}"),
+            (r.worker_threads >= 0, f"rollout.worker_threads must be >= 0, got {r.worker_threads}"),
+            (r.mode == "sync" or r.workers >= 1,
+             f"rollout.mode={r.mode} samples in rollout worker processes while the trainer learns: set "
+             f"rollout.workers to 1 or more (e.g. --rollout.workers=1)"),
+            (r.worker_launch == "spawn" or r.workers >= 1,
+             "rollout.worker_launch=external waits for rollout workers: set rollout.workers to how many you start"),
+            (_is_address(r.worker_address),
+             f"rollout.worker_address={r.worker_address!r} is not HOST:PORT (e.g. 127.0.0.1:29600, or port 0 for "
+             "any free port)"),
             (not r.tool or r.tool in TOOLS,
              f"rollout.tool={r.tool!r} is not a registered tool; registered: {', '.join(sorted(TOOLS))}"),
             (bool(r.tool) or not r.tool_args, f"rollout.tool_args={r.tool_args} but no rollout.tool: name the tool "
@@ -498,8 +545,8 @@ class RolloutConfig:
                 TOOLS[r.tool](**r.tool_args)
             except (TypeError, ValueError) as err:
                 yield f"rollout.tool_args={r.tool_args} do not suit the {r.tool} tool: {err}"
-        if r.is_correction != "none":
-            yield from _refusal(lambda: registry.check_args(registry.is_correction(r.is_correction),
+        if r.off_policy_correction() is not None:
+            yield from _refusal(lambda: registry.check_args(registry.is_correction(r.off_policy_correction()),
                                                            r.correction_args(), "rollout.is_args"))
         elif r.is_args:
             yield (f"rollout.is_args={r.is_args} but rollout.is_correction=none: name the correction they are for, "
@@ -516,6 +563,10 @@ class RolloutConfig:
         if spec.package and importlib.util.find_spec(spec.package) is None:
             yield (f"rollout.engine={spec.name} but {spec.package} is not installed: {spec.install} "
                    f"(or use rollout.engine=hf)")
+        if self.workers and not spec.runs_in_worker:
+            able = " or ".join(sorted(name for name, other in ENGINES.items() if other.runs_in_worker))
+            yield (f"rollout.engine={self.engine} cannot run in a rollout worker (rollout.workers={self.workers}): "
+                   f"use rollout.engine={able}, or rollout.workers=0 with rollout.mode=sync")
         if self.tensor_parallel_size > 1 and not spec.tensor_parallel:
             tp_engines = " or ".join(sorted(name for name, other in ENGINES.items() if other.tensor_parallel))
             yield (f"rollout.tensor_parallel_size={self.tensor_parallel_size} applies to rollout.engine={tp_engines} "

@@ -56,7 +56,26 @@ def cross_section_problems(config: Config) -> Iterator[str]:
          f"task.prompt_modes={config.task.prompt_modes} asks for tool-integrated prompts, whose completions call a "
          f"tool: set rollout.tool (registered: python), or give tir a share of 0"),
     ])
+    yield from _worker_problems(config)
     yield from _task_problems(config)
+
+
+def _worker_problems(config: Config) -> Iterator[str]:
+    """Rollout workers (rollout.workers > 0) with the keys that cannot go with them yet."""
+    r, g = config.rollout, config.grpo
+    if not r.workers:
+        return
+    yield from failed([
+        (r.workers <= g.prompts_per_step,
+         f"rollout.workers={r.workers} is more than grpo.prompts_per_step={g.prompts_per_step}: each worker samples "
+         f"whole groups of a step's prompts, so lower rollout.workers to at most {g.prompts_per_step}"),
+        (not g.dynamic_sampling,
+         "grpo.dynamic_sampling draws more questions when a step's groups have no reward spread, which rollout "
+         "workers (rollout.workers) do not do yet: set grpo.dynamic_sampling=false, or rollout.workers=0"),
+        (config.iterative.iterations == 1,
+         "iterative.iterations > 1 retrains a reward model between iterations, which rollout workers "
+         "(rollout.workers) do not follow yet: set rollout.workers=0"),
+    ])
 
 
 def _named_task(config: Config):
@@ -109,6 +128,10 @@ def check_world_size(config: Config, world_size: int, per_node: int | None = Non
             f"start torchrun with --nproc_per_node a multiple of {tp}, or lower rollout.tensor_parallel_size")
     if world_size <= 1:
         return
+    if config.rollout.workers:
+        raise ConfigError(f"rollout.workers={config.rollout.workers} with {world_size} trainer processes is not "
+                          "supported yet: run the trainer in one process (rollout workers take the sampling off it), "
+                          "or set rollout.workers=0")
     g = config.grpo
     if g.prompts_per_step % world_size:
         raise ConfigError(

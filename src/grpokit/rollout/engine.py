@@ -116,6 +116,6 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
     return spec.build(rollout_config, model, tokenizer, seed, model_len, weights_dir)
 
 
-@register_engine("hf", copies_weights=False)
+@register_engine("hf", copies_weights=False, runs_in_worker=True)
 def _build_hf(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> HFEngine:
     return HFEngine(model, tokenizer)

@@ -25,15 +25,16 @@ class EngineSpec:
     package: str | None = None  # an optional dependency, checked when the config loads
     install: str = ""  # what to run when `package` is missing
     tensor_parallel: bool = False  # rollout.tensor_parallel_size > 1 means something to it
+    runs_in_worker: bool = False  # it can be built in a rollout worker process (rollout.workers, rollout/worker.py)
 
 
 ENGINES: dict[str, EngineSpec] = {}
 
 
 def register_engine(name: str, *, copies_weights: bool, package: str | None = None, install: str = "",
-                    tensor_parallel: bool = False):
+                    tensor_parallel: bool = False, runs_in_worker: bool = False):
     def decorate(build):
-        ENGINES[name] = EngineSpec(name, build, copies_weights, package, install, tensor_parallel)
+        ENGINES[name] = EngineSpec(name, build, copies_weights, package, install, tensor_parallel, runs_in_worker)
         return build
     return decorate
 

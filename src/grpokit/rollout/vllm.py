@@ -509,7 +509,8 @@ class VLLMEngine:
         return None
 
 
-@register_engine("vllm", copies_weights=True, package="vllm", install=_INSTALL_HINT, tensor_parallel=True)
+@register_engine("vllm", copies_weights=True, package="vllm", install=_INSTALL_HINT, tensor_parallel=True,
+                 runs_in_worker=True)
 def build_vllm_engine(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> VLLMEngine:
     """A colocated VLLMEngine as the rollout config sizes it, in the policy's compute dtype (bf16
     over fp32 master weights: models/precision.py)."""

@@ -71,14 +71,15 @@ class Algorithm:
         """The policy loss of one micro-batch over the minibatch's count `total` (math.grpo_loss in
         the configured loss, aggregation, importance level and correction)."""
         cfg, r = self.config, self.rollout_config
-        corrected = r.is_correction != "none" and sampling_logp is not None
+        correction = r.off_policy_correction()  # tis for an older policy's batches unless another is named
+        corrected = correction is not None and sampling_logp is not None
         return grpo_loss(
             logp, old_logp, ref_logp, advantages, mask, clip_eps=cfg.epsilon, beta=self.loss_beta,
             clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
             max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
             sampling_logp=sampling_logp if corrected else None,
             denominator=total, policy_loss=cfg.loss, loss_args=cfg.loss_args,
-            is_correction=r.is_correction if corrected else None, is_args=r.correction_args())
+            is_correction=correction if corrected else None, is_args=r.correction_args())
 
     def update_own_model(self, batch: Batch, update: Update) -> dict:
         """Train any model of the algorithm's own after the policy's update (PPO's critic)."""

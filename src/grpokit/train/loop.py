@@ -45,6 +45,9 @@ from grpokit.rewards.learned import ProcessRewardModel
 from grpokit.rewards.scoring import row_columns
 from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds, token_logprobs
 from grpokit.rollout.logprobs import attended_ends
+from grpokit.rollout.remote import RemoteRollouts
+from grpokit.rollout.schedule import batches_ready, sampling_version
+from grpokit.rollout.wire import RolloutWorkerError
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.algorithm import Algorithm, Batch
@@ -111,6 +114,12 @@ MAXED_METRICS = tuple(f"mode/{mode}/samples" for mode in MODES) + ("completion/m
 
 
 
+def sampling_params(config: GRPOConfig) -> SamplingParams:
+    """How RL samples its completions (grpo.max_completion_length, temperature, top_p, generation_batch_size)."""
+    return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                          top_p=config.top_p, batch_size=config.generation_batch_size)
+
+
 def row_tokens(rollout: Rollout) -> torch.Tensor:
     """[N] tokens each row's forward computes: its prompt columns and its completion up to the
     last attended token (token_logprobs cuts a micro-batch to its longest row the same way)."""
@@ -137,6 +146,7 @@ class Trainer:
         rollout_config: RolloutConfig | None = None,
         save_merged: bool = False,
         process_reward: ProcessRewardModel | None = None,
+        remote: RemoteRollouts | None = None,
     ):
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
@@ -178,13 +188,15 @@ class Trainer:
         self.global_step = 0
         self.interrupted = False  # set when a signal stopped train() early
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
-        self.sampling = SamplingParams(
-            max_new_tokens=config.max_completion_length,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            batch_size=config.generation_batch_size,
-        )
+        self.sampling = sampling_params(config)
         self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
+        # rollout workers (rollout.workers > 0): batches are sampled there, on a fixed schedule of
+        # policy versions (rollout/schedule.py), while this process learns
+        self.remote = remote
+        self.staleness = self.rollout_config.staleness
+        self._queued = 0  # the last batch queued to the workers
+        self._version_floor = 0  # the oldest version the workers can sample: the one they started from
+        self._dropped_stale = 0  # completions of a resumed run's batches too stale to use (counted once)
         self.algorithm = algorithm
         algorithm.setup(model, config, self.rollout_config)
 
@@ -203,7 +215,7 @@ class Trainer:
         writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else NullWriter()
         with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:
-                record = {**(extra_metrics or {}), **self.step()}
+                record = {**(extra_metrics or {}), **self._step_naming_worker_failures()}
                 history.append(record)
                 writer.write(record)
                 self._warn_if_no_signal(history)
@@ -222,7 +234,18 @@ class Trainer:
         bar.close()
         if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
             self.save_checkpoint()
+        if self.remote is not None and self.engine.copies_weights:  # evaluation's engine gets the final policy
+            self.push_weights(self.global_step)
         return history
+
+    def _step_naming_worker_failures(self) -> dict:
+        """step(); a rollout worker's failure stops the run saying where it can resume from."""
+        try:
+            return self.step()
+        except RolloutWorkerError as err:
+            raise RolloutWorkerError(
+                f"step {self.global_step + 1}: {err}. Last checkpoint: {self.checkpoints.latest() or 'none yet'}; "
+                f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume") from None
 
     def _warn_if_no_signal(self, history: list[dict]) -> None:
         """Say once per run when the reward has stopped varying (no_signal_warning); the run goes on."""
@@ -259,12 +282,17 @@ class Trainer:
         timings["perf/update_time_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        if self.engine.copies_weights:  # the next step samples from the updated policy
+        if self.remote is not None:  # the workers stage the new version until a task asks for it
+            self.remote.push(self.global_step + 1, self.model)
+            timings["rollout/sync_time_s"] = time.perf_counter() - t
+        elif self.engine.copies_weights:  # the next step samples from the updated policy
             self.push_weights(self.global_step + 1)
             timings["rollout/sync_time_s"] = time.perf_counter() - t
         else:  # it samples from the policy object itself: only re-point it
             self.engine.sync_weights(self.model)
         self.global_step += 1
+        if self.remote is not None:
+            self._queue_batches()
         self._nonfinite_streak = self._nonfinite_streak + 1 if stats["skipped_updates"] else 0
         if self._nonfinite_streak >= cfg.max_nonfinite_steps:
             last = self.checkpoints.latest()
@@ -294,6 +322,7 @@ class Trainer:
             "perf/tokens_per_s": float(lengths.sum()) / seconds,
             "perf/step_time_s": seconds,
             **timings,
+            **({"perf/trainer_idle_frac": timings["perf/rollout_time_s"] / seconds} if self.remote else {}),
             "lr": self.scheduler.get_last_lr()[0],
         }
         return distributed.reduce_metrics(record, SUMMED_METRICS, MAXED_METRICS)
@@ -312,10 +341,47 @@ class Trainer:
             raise WeightSyncError(f"step {step}: the rollout engine did not receive the policy's weights ({err}). "
                                   f"Last good checkpoint: {self.checkpoints.latest() or 'none yet'}") from None
 
+    def _queue_batches(self) -> None:
+        """Queue to the workers every batch the newest version may sample (rollout/schedule.py), each with
+        the next B prompts of the data order and the seeds a synchronous run would give them."""
+        cfg = self.config
+        for batch in batches_ready(self.global_step, self.staleness, cfg.max_steps):
+            if batch <= self._queued:
+                continue
+            version = max(sampling_version(batch, self.staleness), self._version_floor)
+            rows = self._next_rows(cfg.prompts_per_step)
+            seeds = request_seeds(self.seed, batch - 1, list(range(len(rows))), cfg.num_generations)
+            self.remote.submit(batch, version, rows, seeds)
+            self._queued = batch
+
+    def _start_workers(self) -> None:
+        """Give the workers the policy as it is now (a fresh run's or a checkpoint's), then their tasks."""
+        self.remote.push(self.global_step, self.model)
+        self.remote.resubmit_pending()
+        self._queue_batches()
+
+    def _remote_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
+        """This step's batch from the rollout workers, scored; staleness = versions between the one
+        that sampled it and the one it updates."""
+        if self.remote.version < 0:
+            self._start_workers()
+        rollout, version, metrics, waited = self.remote.take(self.global_step + 1)
+        timings["perf/rollout_time_s"] += waited
+        t = time.perf_counter()
+        result = self._score(rollout)
+        timings["perf/scoring_time_s"] += time.perf_counter() - t
+        staleness = self.global_step - version
+        dropped, self._dropped_stale = self._dropped_stale, 0
+        return rollout, result, {"rollout/staleness_mean": float(staleness), "rollout/staleness_max": staleness,
+                                 "rollout/dropped_stale": dropped, "rollout/push_bytes": self.remote.pushed_bytes,
+                                 **metrics}
+
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """B groups of G completions, scored. With grpo.dynamic_sampling (DAPO), groups whose
         valid rewards are all equal (zero advantage) are dropped and fresh questions sampled, for
         at most grpo.max_generation_rounds rounds; the step then trains on what it has."""
+        if self.remote is not None:
+            return self._remote_groups(timings)
         cfg, g = self.config, self.config.num_generations
         kept, parts, rounds, sampled = 0, [], 0, 0
         while True:
@@ -551,7 +617,8 @@ class Trainer:
         self._failed_rollout_streak = self._failed_rollout_streak + 1 if everything else 0
         if self._failed_rollout_streak >= self.config.max_failed_steps:
             describe = getattr(self.engine, "failure", None)
-            what = describe() if describe is not None else "the rollout engine failed every sample"
+            what = (self.remote.last_failure if self.remote is not None else describe() if describe is not None
+                    else "") or "the rollout engine failed every sample"
             raise RewardFailure(f"every rollout failed for {self._failed_rollout_streak} consecutive steps: {what}; "
                                 "fix it, or run without rollout.tool")
 
@@ -577,6 +644,7 @@ class Trainer:
             "failed_streak": dict(self._failed_streak),
             "failed_rollout_streak": self._failed_rollout_streak,
             "nonfinite_streak": self._nonfinite_streak,
+            **({"rollout_in_flight": self.remote.in_flight(self.global_step)} if self.remote is not None else {}),
             "rng": train_state.capture_rng(),
             **self.algorithm.state_dict(),
         }
@@ -590,6 +658,11 @@ class Trainer:
         self._failed_streak.update(state["failed_streak"])
         self._failed_rollout_streak = int(state.get("failed_rollout_streak", 0))  # absent before tool rollouts
         self._nonfinite_streak = int(state["nonfinite_streak"])
+        if self.remote is not None:  # the batches in flight at the checkpoint; the workers start from this version
+            saved = state.get("rollout_in_flight", [])
+            self._dropped_stale = self.remote.restore(saved, self.global_step, self.staleness)
+            self._queued = max([self.global_step] + [int(e["tasks"][0]["batch"]) for e in saved])
+            self._version_floor = self.global_step
         self.algorithm.load_state_dict(state)
         train_state.restore_rng(state["rng"])
 

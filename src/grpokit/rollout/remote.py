@@ -1,0 +1,275 @@
+"""The trainer's side of its rollout workers (rollout.workers; docs/async.md).
+
+The trainer listens on a TCP store (rollout.worker_address). Each worker (rollout_worker.py,
+spawned here or started elsewhere with `grpokit rollout-worker --connect HOST:PORT --index I`)
+reads the run's config from it, builds its own engine, and then, in a loop, takes the next task
+the trainer queued for it (a batch's share of prompts, their seeds, the policy version to sample
+from), waits until it holds that version, samples, and puts the rollouts back on the store.
+Weights go over the workers' own process group (rollout/weight_channel.py) after each step.
+
+Which version samples which batch is fixed by the schedule (rollout/schedule.py), and every
+task carries its seeds, so a worker's output depends on the weights and the task alone: timing
+can make the trainer wait, never change what it computes. That is also what makes a resume exact:
+a checkpoint keeps the tasks in flight and the rollouts of those sampled by older weights
+(`in_flight`), and the resumed run re-queues the rest (`restore`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpokit.rollout.schedule import worker_shares
+from grpokit.rollout.weight_channel import WeightChannel
+from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode, rollout_to_dict
+from grpokit.types import Rollout
+
+POLL_S = 0.005  # how often a wait looks at the store again
+CHECK_S = 0.5  # how often a wait looks at the workers' health
+
+
+def _die_with_parent() -> None:
+    """A spawned worker gets SIGKILL when the trainer dies (Linux), whatever killed the trainer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _weights(model: torch.nn.Module) -> Mapping:
+    """What a worker's plain model receives: the state dict, or a LoRA policy's merged weights."""
+    from grpokit.rollout.vllm import policy_weights
+
+    return policy_weights(model)
+
+
+def _value(tensor_or_fn) -> torch.Tensor:
+    return tensor_or_fn() if callable(tensor_or_fn) else tensor_or_fn
+
+
+class RemoteRollouts:
+    """Starts or awaits the workers, queues their tasks, pushes weights, collects and checks rollouts."""
+
+    def __init__(self, rollout_config, run_config: dict, model: torch.nn.Module, sampling: dict, group_size: int,
+                 model_len: int, timeout_s: float, log_dir: Path, pad_id: int):
+        self.workers, self.group_size, self.pad_id = rollout_config.workers, group_size, pad_id
+        self.timeout_s, self.log_dir = timeout_s, Path(log_dir)
+        self.device = next(model.parameters()).device
+        host, _, port = rollout_config.worker_address.rpartition(":")
+        self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.address = f"{host}:{self.store.port}"
+        weights = _weights(model)
+        self.names = list(weights)
+        shapes = [(name, list(_value(t).shape), str(_value(t).dtype).removeprefix("torch."))
+                  for name, t in weights.items()]
+        self.store.set("setup", encode({"config": run_config, "tensors": shapes, "sampling": sampling,
+                                        "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
+                                        "device": self.device.type}))
+        self.processes: list[subprocess.Popen | None] = [None] * self.workers
+        self.logs: list[Path | None] = [None] * self.workers
+        self.channel: WeightChannel | None = None
+        self.tasks: dict[int, list[Task]] = {}  # batch -> its task per worker, until the batch is taken
+        self.received: dict[int, dict[int, dict]] = {}  # batch -> worker -> the message it returned
+        self.sent = [0] * self.workers  # tasks queued per worker: the key of the next
+        self.version = -1  # the newest version pushed
+        self.pending_resubmit: list[tuple] = []  # restored tasks to queue again after the first push
+        self.pushed_bytes = 0
+        self.last_failure = ""  # what the workers' tool engines say failed their last samples
+        self._beats = [(-1, time.monotonic())] * self.workers
+        self._checked = 0.0
+        if rollout_config.worker_launch == "spawn":
+            self._spawn(rollout_config.worker_threads)
+        else:
+            print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit rollout-worker "
+                  f"--connect {self.address} --index I` with I = 0..{self.workers - 1}", file=sys.stderr)
+        self._await_all([f"ready/{w}" for w in range(self.workers)], "start")
+        self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
+
+    def _spawn(self, threads: int) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
+        for w in range(self.workers):
+            self.logs[w] = self.log_dir / f"rollout-worker-{w}.log"
+            with open(self.logs[w], "wb") as log:
+                command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", self.address,
+                           "--index", str(w)] + (["--threads", str(threads)] if threads else [])
+                self.processes[w] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                     preexec_fn=_die_with_parent)
+
+    # ------------------------------------------------------------------ health
+
+    def _describe(self, w: int) -> str:
+        process = self.processes[w]
+        return f"rollout worker {w}" + (f" (pid {process.pid}, log {self.logs[w]})" if process else "")
+
+    def _log_tail(self, w: int) -> str:
+        if self.logs[w] is None or not self.logs[w].is_file():
+            return ""
+        lines = [line for line in self.logs[w].read_text(errors="replace").splitlines() if line.strip()]
+        return f"; its log ends: {lines[-1].strip()[:300]}" if lines else ""
+
+    def check_workers(self) -> None:
+        """Raise RolloutWorkerError naming the first worker that reported a failure, exited, or has
+        not beaten its heart for distributed.timeout_s."""
+        now = time.monotonic()
+        for w in range(self.workers):
+            if self.store.check([f"error/{w}"]):
+                raise RolloutWorkerError(f"{self._describe(w)} failed: {self.store.get(f'error/{w}').decode()}")
+            process = self.processes[w]
+            if process is not None and process.poll() is not None:
+                raise RolloutWorkerError(f"{self._describe(w)} exited with code {process.returncode}"
+                                         f"{self._log_tail(w)}")
+            beat = self.store.add(f"beat/{w}", 0)
+            if beat != self._beats[w][0]:
+                self._beats[w] = (beat, now)
+            elif now - self._beats[w][1] > self.timeout_s:
+                raise RolloutWorkerError(f"{self._describe(w)} has not answered for {now - self._beats[w][1]:.0f}s "
+                                         f"(distributed.timeout_s={self.timeout_s:g})")
+
+    def _await_all(self, keys: list[str], what: str) -> float:
+        """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited."""
+        started = time.monotonic()
+        for key in keys:
+            while not self.store.check([key]):
+                if time.monotonic() - self._checked > CHECK_S:
+                    self._checked = time.monotonic()
+                    self.check_workers()
+                if what == "start" and time.monotonic() - started > self.timeout_s:
+                    raise RolloutWorkerError(f"only some of the {self.workers} rollout worker(s) started within "
+                                             f"distributed.timeout_s={self.timeout_s:g}s (missing: {key})")
+                time.sleep(POLL_S)
+        return time.monotonic() - started
+
+    # ------------------------------------------------------------------ weights
+
+    def push(self, version: int, model: torch.nn.Module) -> None:
+        """Send the policy as `version` to every worker (each stages it until a task asks for it)."""
+        weights = _weights(model)
+        try:
+            self.pushed_bytes = self.channel.push(version, (_value(weights[n]) for n in self.names), len(self.names))
+        except RuntimeError as err:  # a peer died or hung inside the collective
+            try:
+                self.check_workers()
+            except RolloutWorkerError as named:
+                raise named from None
+            raise RolloutWorkerError(f"pushing policy version {version} to the rollout workers failed within "
+                                     f"distributed.timeout_s={self.timeout_s:g}s: {str(err).splitlines()[0][:300]}") \
+                from None
+        self.version = version
+
+    # ------------------------------------------------------------------ tasks and rollouts
+
+    def submit(self, batch: int, version: int, rows: list[dict], seeds: list[int]) -> None:
+        """Queue batch `batch` (its prompts and one seed per completion) to be sampled by `version`,
+        each worker taking its contiguous share of whole groups."""
+        g, tasks = self.group_size, []
+        for w, share in enumerate(worker_shares(len(rows), self.workers)):
+            tasks.append(Task(batch, version, w, rows[share.start:share.stop], seeds[share.start * g:share.stop * g]))
+        self.tasks[batch] = tasks
+        for task in tasks:
+            self._queue(task)
+
+    def _queue(self, task: Task) -> None:
+        self.store.set(f"task/{task.worker}/{self.sent[task.worker]}", encode(task.to_dict()))
+        self.sent[task.worker] += 1
+
+    def _receive(self, batch: int) -> float:
+        """Wait for every worker's share of `batch`; the seconds waited."""
+        waited = 0.0
+        for task in self.tasks[batch]:
+            if task.worker in self.received.setdefault(batch, {}):
+                continue
+            key = f"result/{batch}/{task.worker}"
+            waited += self._await_all([key], f"batch {batch}")
+            self.received[batch][task.worker] = decode(self.store.get(key))
+            self.store.delete_key(key)
+        return waited
+
+    def take(self, batch: int) -> tuple[Rollout, int, dict, float]:
+        """(batch `batch`'s rollout, the version that sampled it, the workers' engine metrics averaged,
+        seconds waited for it), each worker's share checked (wire.checked_rollout) first."""
+        if batch not in self.tasks:
+            raise RolloutWorkerError(f"batch {batch} was never queued to the rollout workers")
+        waited = self._receive(batch)
+        tasks, messages = self.tasks.pop(batch), self.received.pop(batch)
+        parts = [checked_rollout(messages[t.worker], t, self.group_size) for t in tasks]
+        self.last_failure = next((m.get("failure", "") for m in messages.values() if m.get("failure")), "")
+        metrics: dict[str, float] = {}
+        for t in tasks:
+            for key, value in messages[t.worker].get("metrics", {}).items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) / len(tasks)
+        return Rollout.cat(parts, self.pad_id), tasks[0].version, metrics, waited
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def in_flight(self, version: int) -> list[dict]:
+        """What a checkpoint at policy `version` keeps of the queued batches: every task, and the
+        rollouts of those sampled by an older version, which a resumed run cannot sample again
+        (it waits for them here). Batches that `version` samples are sampled again after resume."""
+        saved = []
+        for batch in sorted(self.tasks):
+            tasks = self.tasks[batch]
+            entry = {"tasks": [t.to_dict() for t in tasks]}
+            if tasks[0].version < version:
+                self._receive(batch)
+                entry["results"] = [self.received[batch][t.worker] for t in tasks]
+            saved.append(entry)
+        return saved
+
+    def restore(self, saved: list[dict], version: int, staleness: int) -> int:
+        """Take back a checkpoint's in-flight batches at policy `version` (call before the first push):
+        kept rollouts are used as they are; tasks without them are sampled by `version`, as are kept
+        ones now staler than `staleness` allows (rollout.max_staleness lowered since), which are
+        dropped. Returns the completions dropped."""
+        dropped = 0
+        for entry in saved:
+            tasks = [Task.from_dict(t) for t in entry["tasks"]]
+            batch = tasks[0].batch
+            results = entry.get("results")
+            if results is not None and batch - 1 - tasks[0].version <= staleness and len(results) == len(tasks):
+                self.tasks[batch] = tasks
+                self.received[batch] = {t.worker: r for t, r in zip(tasks, results)}
+                continue
+            if results is not None:
+                dropped += sum(len(t.rows) for t in tasks) * self.group_size
+            rows = [r for t in tasks for r in t.rows]
+            seeds = [s for t in tasks for s in t.seeds]
+            self.pending_resubmit.append((batch, version, rows, seeds))
+        return dropped
+
+    def resubmit_pending(self) -> None:
+        for batch, version, rows, seeds in self.pending_resubmit:
+            self.submit(batch, version, rows, seeds)
+        self.pending_resubmit = []
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait a little for them, then end any that remain."""
+        try:
+            self.store.set("stop", b"1")
+            if self.channel is not None:
+                self.channel.stop()
+        except RuntimeError:
+            pass  # a worker is already gone: ended below
+        for process in self.processes:
+            if process is None:
+                continue
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

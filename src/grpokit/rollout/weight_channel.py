@@ -1,0 +1,62 @@
+"""The trainer's weights to its rollout workers over a torch.distributed process group of their
+own: the trainer is rank 0, worker i is rank i + 1 (gloo on CPU, nccl on CUDA). It is built on the
+trainer's TCP store, apart from any group torchrun made, so it spans machines as the store does.
+
+A push is a header (version, tensor count) and then one broadcast per tensor, in the order both
+sides agreed at start: no file and, on CUDA, no copy through host memory. A peer that dies or
+hangs makes the collective fail within the group's timeout instead of waiting forever."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+STOP = -1  # the header version that tells a worker's receiver no more weights come
+
+
+def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float):
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore("weights", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+class WeightChannel:
+    """One end of the weight group: `push` on the trainer (rank 0), `receive_*` on a worker."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float):
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+        self.group = _process_group(store, rank, size, self.device, timeout_s)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()
+
+    def push(self, version: int, tensors: Iterable[torch.Tensor], count: int) -> int:
+        """Send policy `version` (`count` tensors, in the agreed order); returns the bytes sent."""
+        self._broadcast(torch.tensor([version, count], dtype=torch.int64, device=self.device))
+        sent = 0
+        for tensor in tensors:
+            tensor = tensor.detach().to(self.device).contiguous()
+            self._broadcast(tensor)
+            sent += tensor.numel() * tensor.element_size()
+        return sent
+
+    def stop(self) -> None:
+        self._broadcast(torch.tensor([STOP, 0], dtype=torch.int64, device=self.device))
+
+    def receive_header(self) -> tuple[int, int]:
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        return int(header[0]), int(header[1])
+
+    def receive_into(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._broadcast(buffer)

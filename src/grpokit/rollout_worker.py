@@ -1,0 +1,199 @@
+"""A rollout worker: a process of its own that samples the trainer's batches with its own engine
+(`grpokit rollout-worker --connect HOST:PORT --index I`; rollout/remote.py is the trainer's side
+and docs/async.md the whole picture).
+
+It reads the run's config from the trainer's store and builds the policy and engine the trainer
+would (model.name_or_path must be readable here too), joins the weight group, and then:
+- a receiver thread takes every weight push as it comes and stages it, so the trainer never
+  waits on a worker that is busy sampling;
+- the main loop takes its next task, loads the staged version the task names (dropping older
+  ones), samples the task's prompts with the task's seeds, adds the behaviour policy's log-probs
+  when the engine does not report them, and puts the rollout on the store;
+- a heartbeat thread tells the trainer it is alive.
+Any failure is written to the store for the trainer to report, and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from grpokit.build import load_policy
+from grpokit.config import Config
+from grpokit.config.loading import from_dict
+from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
+from grpokit.rollout.weight_channel import STOP, WeightChannel
+from grpokit.rollout.wire import Task, decode, encode, rollout_to_dict
+from grpokit.tools import make_tool
+
+POLL_S = 0.005
+BEAT_S = 1.0
+
+
+class StagedVersions:
+    """Weight pushes received but not yet loaded, by version; the receiver thread fills it."""
+
+    def __init__(self, channel: WeightChannel, shapes: list[tuple], device: torch.device):
+        self.channel, self.shapes, self.device = channel, shapes, device
+        self.versions: dict[int, list[torch.Tensor]] = {}
+        self.error: str | None = None
+        self.stopped = False
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._receive, name="weight-receiver", daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                version, count = self.channel.receive_header()
+                if version == STOP:
+                    break
+                if count != len(self.shapes):
+                    raise RuntimeError(f"the trainer pushed {count} tensors, this worker expects {len(self.shapes)}")
+                buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                           for _, shape, dtype in self.shapes]
+                self.channel.receive_into(buffers)
+                with self.changed:
+                    self.versions[version] = buffers
+                    self.changed.notify_all()
+        except Exception as err:  # noqa: BLE001 - reported to the trainer by the main loop
+            self.error = f"receiving weights: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+
+    def take(self, version: int) -> list[torch.Tensor]:
+        """Version `version`'s tensors, once received; older staged versions are dropped."""
+        with self.changed:
+            while version not in self.versions:
+                if self.error or self.stopped:
+                    raise RuntimeError(self.error or f"the trainer stopped before pushing policy version {version}")
+                self.changed.wait(timeout=1.0)
+            tensors = self.versions[version]
+            for old in [v for v in self.versions if v <= version]:
+                del self.versions[old]
+            return tensors
+
+
+def _heartbeat(host: str, port: int, index: int, timeout_s: float) -> None:
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        store.add(f"beat/{index}", 1)
+        time.sleep(BEAT_S)
+
+
+class Worker:
+    """Worker `index` of the run whose trainer listens at host:port."""
+
+    def __init__(self, host: str, port: int, index: int):
+        self.index = index
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=300))
+        setup = decode(self.store.get("setup"))
+        self.timeout_s = float(setup["timeout_s"])
+        threading.Thread(target=_heartbeat, args=(host, port, index, self.timeout_s), daemon=True).start()
+        self.config: Config = from_dict(Config, setup["config"])
+        self.group_size = int(setup["group_size"])
+        self.params = SamplingParams(**setup["sampling"])
+        self.model, self.tokenizer = load_policy(self.config, trainable=False)
+        self.device = next(self.model.parameters()).device
+        rollout = self.config.rollout
+        self.engine = make_engine(rollout, self.model, self.tokenizer, self.config.seed, int(setup["model_len"]))
+        if rollout.tool:
+            self.engine = ToolEngine(self.engine, self.tokenizer, make_tool(rollout.tool, **rollout.tool_args),
+                                     rollout.max_tool_calls)
+        self.store.set(f"ready/{index}", b"1")
+        channel_device = torch.device("cuda", torch.cuda.current_device()) if setup["device"] == "cuda" else \
+            torch.device("cpu")
+        self.channel = WeightChannel(self.store, index + 1, self.config.rollout.workers + 1, channel_device,
+                                     self.timeout_s)
+        self.staged = StagedVersions(self.channel, setup["tensors"], channel_device)
+        self.names = [name for name, _, _ in setup["tensors"]]
+        self.version = -1
+
+    def load(self, version: int) -> None:
+        """Make the engine sample from policy `version`."""
+        if version == self.version:
+            return
+        tensors = self.staged.take(version)
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in zip(self.names, tensors):
+                state[name].copy_(tensor)
+        if self.engine.copies_weights:
+            self.engine.sync_weights(self.model)
+        self.version = version
+
+    def sample(self, task: Task) -> dict:
+        self.load(task.version)
+        # the hf engine draws from torch's generator: seeded by the task, its output is the task's alone
+        torch.manual_seed(task.seeds[0])
+        rollout = self.engine.generate([r["prompt"] for r in task.rows], self.group_size, self.params, task.rows,
+                                       task.seeds)
+        if rollout.sampling_logp is None:  # the behaviour policy's log-probs, for the off-policy correction
+            grpo = self.config.grpo
+            with torch.no_grad():
+                logp, _ = token_logprobs(self.model, rollout.input_ids.to(self.device),
+                                         rollout.attention_mask.to(self.device), rollout.prompt_length,
+                                         grpo.temperature, grpo.micro_batch_size,
+                                         max_tokens=grpo.max_tokens_per_micro_batch,
+                                         budget_key="grpo.max_tokens_per_micro_batch")
+            rollout = dataclasses.replace(rollout, sampling_logp=logp.float().cpu() * rollout.completion_mask)
+        report = getattr(self.engine, "rollout_metrics", None)
+        describe = getattr(self.engine, "failure", None)
+        return {"batch": task.batch, "version": task.version, "rollout": rollout_to_dict(rollout.to("cpu")),
+                "metrics": report() if report else {}, "failure": describe() if describe else ""}
+
+    def run(self) -> None:
+        n = 0
+        while True:
+            key = f"task/{self.index}/{n}"
+            while not self.store.check([key]):
+                if self.store.check(["stop"]):
+                    return
+                if self.staged.error:
+                    raise RuntimeError(self.staged.error)
+                time.sleep(POLL_S)
+            task = Task.from_dict(decode(self.store.get(key)))
+            self.store.delete_key(key)
+            self.store.set(f"result/{task.batch}/{self.index}", encode(self.sample(task)))
+            n += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpokit rollout-worker",
+                                     description="Sample rollouts for a trainer started with rollout.workers and "
+                                                 "rollout.worker_launch=external (docs/async.md)")
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT", help="the trainer's rollout.worker_address "
+                        "(it prints the port it picked)")
+    parser.add_argument("--index", required=True, type=int, metavar="I", help="this worker's index, 0..workers-1")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = parser.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--connect {args.connect!r} is not HOST:PORT")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    worker = None
+    try:
+        worker = Worker(host, int(port), args.index)
+        worker.run()
+    except Exception as err:  # noqa: BLE001 - the trainer names this worker and says why
+        message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
+        traceback.print_exc()
+        try:
+            store = worker.store if worker is not None else dist.TCPStore(
+                host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+            store.set(f"error/{args.index}", message.encode())
+        except Exception:  # noqa: BLE001 - the trainer is gone too
+            pass
+        print(f"grpokit rollout-worker {args.index}: {message}", file=sys.stderr)
+        return 1
+    return 0
