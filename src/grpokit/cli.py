@@ -217,10 +217,11 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.train.loop import NonFiniteTraining, RewardFailure  # see the imports at the top
     from grpokit.train.reward_model import RewardModelDataError
+    from grpokit.rollout.wire import RolloutWorkerError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
             RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable,
-            WeightSyncError)
+            WeightSyncError, RolloutWorkerError)
 
 
 def _run(args, config) -> int:

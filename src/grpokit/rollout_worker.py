@@ -16,6 +16,7 @@ Any failure is written to the store for the trainer to report, and the process e
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import datetime
 import sys
@@ -36,6 +37,10 @@ from grpokit.tools import make_tool
 
 POLL_S = 0.005
 BEAT_S = 1.0
+# A collective's timeout is each process's own. The receiver waits for the next push as long as the
+# trainer takes to learn, evaluate or save, so it waits long; the trainer's side of a push keeps
+# distributed.timeout_s, and a trainer that dies closes the sockets, which ends the wait at once.
+RECEIVER_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class StagedVersions:
@@ -113,7 +118,7 @@ class Worker:
         channel_device = torch.device("cuda", torch.cuda.current_device()) if setup["device"] == "cuda" else \
             torch.device("cpu")
         self.channel = WeightChannel(self.store, index + 1, self.config.rollout.workers + 1, channel_device,
-                                     self.timeout_s)
+                                     RECEIVER_TIMEOUT_S)
         self.staged = StagedVersions(self.channel, setup["tensors"], channel_device)
         self.names = [name for name, _, _ in setup["tensors"]]
         self.version = -1
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(host, int(port), args.index)
         worker.run()
+        worker.staged.thread.join(timeout=worker.timeout_s)  # the trainer's stop reaches the receiver too
     except Exception as err:  # noqa: BLE001 - the trainer names this worker and says why
         message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
         traceback.print_exc()
@@ -195,5 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - the trainer is gone too
             pass
         print(f"grpokit rollout-worker {args.index}: {message}", file=sys.stderr)
-        return 1
-    return 0
+        return _exit(1)
+    return _exit(0)
+
+
+def _exit(code: int) -> int:
+    """End the process at once: the receiver and heartbeat threads may still sit in a collective or
+    a store call, which the interpreter's teardown would abort on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -390,8 +390,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             timings["reward_model_seconds"] = time.perf_counter() - t
         remote = _rollout_workers(config, model, tokenizer, _train_model_len(config, task, tokenizer, rows, heldout),
                                   run_dir)
-        if remote is not None:
-            cleanup.callback(remote.close)
+        if remote is not None:  # after a failure, without waiting on a worker that may hang
+            cleanup.push(lambda error, *_: remote.close(failed=error is not None))
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None, engine=_rl_engine(config, engine, tokenizer),

@@ -130,8 +130,10 @@ class RemoteRollouts:
                 raise RolloutWorkerError(f"{self._describe(w)} failed: {self.store.get(f'error/{w}').decode()}")
             process = self.processes[w]
             if process is not None and process.poll() is not None:
-                raise RolloutWorkerError(f"{self._describe(w)} exited with code {process.returncode}"
-                                         f"{self._log_tail(w)}")
+                code = process.returncode
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
+                    f"exited with code {code}{self._log_tail(w)}"
+                raise RolloutWorkerError(f"{self._describe(w)} {how}")
             beat = self.store.add(f"beat/{w}", 0)
             if beat != self._beats[w][0]:
                 self._beats[w] = (beat, now)
@@ -257,11 +259,12 @@ class RemoteRollouts:
 
     # ------------------------------------------------------------------ shutdown
 
-    def close(self) -> None:
-        """Tell the workers to stop, wait a little for them, then end any that remain."""
+    def close(self, failed: bool = False) -> None:
+        """Tell the workers to stop, wait a little for them, then end any that remain. After a
+        failure (`failed`) a worker may be hung: the spawned ones are ended at once."""
         try:
             self.store.set("stop", b"1")
-            if self.channel is not None:
+            if self.channel is not None and not failed:
                 self.channel.stop()
         except RuntimeError:
             pass  # a worker is already gone: ended below
@@ -269,7 +272,7 @@ class RemoteRollouts:
             if process is None:
                 continue
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=0 if failed else 30)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

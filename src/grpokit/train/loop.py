@@ -172,6 +172,7 @@ class Trainer:
         self.ref_model = ref_model
         self.save_merged = save_merged and is_lora(model)  # checkpoints also hold merged/ (base + adapter)
         self._gathered: dict | None = None
+        self._in_flight: list[dict] | None = None  # rollout workers' batches in flight, for the next checkpoint
         self.engine = engine if engine is not None else HFEngine(model, tokenizer)
         self.rollout_config = rollout_config or RolloutConfig()
         # experiment trackers (report_to); metrics.jsonl is always written, by rank 0
@@ -215,7 +216,7 @@ class Trainer:
         writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else NullWriter()
         with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:
-                record = {**(extra_metrics or {}), **self._step_naming_worker_failures()}
+                record = {**(extra_metrics or {}), **self._naming_worker_failures(self.step)}
                 history.append(record)
                 writer.write(record)
                 self._warn_if_no_signal(history)
@@ -225,7 +226,7 @@ class Trainer:
                 # A signal may reach the processes at different steps: all stop at the first one's.
                 stopping = distributed.any_process(stop.requested)
                 if (cfg.save_steps and self.global_step % cfg.save_steps == 0) or stopping:
-                    saved_at = self.save_checkpoint()
+                    saved_at = self._naming_worker_failures(self.save_checkpoint)
                 if stopping:
                     self.interrupted = True
                     print(f"grpokit: stopped after step {self.global_step}; checkpoint {saved_at}\n"
@@ -233,15 +234,15 @@ class Trainer:
                     break
         bar.close()
         if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
-            self.save_checkpoint()
+            self._naming_worker_failures(self.save_checkpoint)
         if self.remote is not None and self.engine.copies_weights:  # evaluation's engine gets the final policy
             self.push_weights(self.global_step)
         return history
 
-    def _step_naming_worker_failures(self) -> dict:
-        """step(); a rollout worker's failure stops the run saying where it can resume from."""
+    def _naming_worker_failures(self, call):
+        """call(); a rollout worker's failure stops the run saying where it can resume from."""
         try:
-            return self.step()
+            return call()
         except RolloutWorkerError as err:
             raise RolloutWorkerError(
                 f"step {self.global_step + 1}: {err}. Last checkpoint: {self.checkpoints.latest() or 'none yet'}; "
@@ -644,7 +645,7 @@ class Trainer:
             "failed_streak": dict(self._failed_streak),
             "failed_rollout_streak": self._failed_rollout_streak,
             "nonfinite_streak": self._nonfinite_streak,
-            **({"rollout_in_flight": self.remote.in_flight(self.global_step)} if self.remote is not None else {}),
+            **({"rollout_in_flight": self._in_flight} if self.remote is not None else {}),
             "rng": train_state.capture_rng(),
             **self.algorithm.state_dict(),
         }
@@ -670,6 +671,8 @@ class Trainer:
         """checkpoints/step-N: HF weights + trainer state + config, atomically; `latest` -> it.
         Every process calls it: rank 0 writes the gathered weights, each process its own state."""
         self.algorithm.before_save()  # gathers what the algorithm saves (collective under FSDP2)
+        # the batches in flight, waiting for those a resumed run could not sample again
+        self._in_flight = self.remote.in_flight(self.global_step) if self.remote is not None else None
         # the full weights, gathered once (collective under FSDP2; on rank 0)
         self._gathered = full_state_dict(self.model) if is_sharded(self.model) or self.save_merged else None
         try:

@@ -1,0 +1,336 @@
+"""Rollout workers and asynchronous rollouts (docs/async.md): the version schedule, decoupled
+PPO's correction worked by hand, the checks on what a worker returns, config errors, and real
+runs with worker processes: reproducible, resumed exactly after SIGKILL, stopped with a message
+when a worker dies or a weight push hangs, and workers started by hand over loopback."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.config import ConfigError, GRPOConfig, RolloutConfig, check_world_size, load_config
+from grpokit.rollout.registry import ENGINES, register_engine
+from grpokit.rollout.schedule import batches_ready, sampling_version, worker_shares
+from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode, rollout_to_dict
+from grpokit.train.grpo import GRPO
+from grpokit.types import Rollout
+
+# ---------------------------------------------------------------------------- the schedule
+
+
+def test_which_version_samples_which_batch_by_hand():
+    # batch s (1-based) is learnt by step s and sampled by version max(0, s - 1 - k)
+    assert [sampling_version(s, 0) for s in range(1, 6)] == [0, 1, 2, 3, 4]  # sync: the weights it updates
+    assert [sampling_version(s, 1) for s in range(1, 6)] == [0, 0, 1, 2, 3]  # one_step_off
+    assert [sampling_version(s, 2) for s in range(1, 6)] == [0, 0, 0, 1, 2]  # async, k = 2
+    # after version v exists the trainer may queue every batch up to v + 1 + k
+    assert list(batches_ready(0, 1, 10)) == [1, 2]
+    assert list(batches_ready(3, 2, 10)) == [1, 2, 3, 4, 5, 6]
+    assert list(batches_ready(9, 2, 10)) == list(range(1, 11))  # never past the last step
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_staleness_never_exceeds_k_and_each_batch_waits_only_for_older_versions(k):
+    for s in range(1, 40):
+        v = sampling_version(s, k)
+        assert 0 <= (s - 1) - v <= k  # versions between the sampler and the update that learns the batch
+        assert v <= s - 1  # it exists before step s starts
+        assert s in batches_ready(v, k, 100)
+
+
+def test_worker_shares_are_contiguous_whole_groups():
+    assert worker_shares(5, 2) == [range(0, 3), range(3, 5)]
+    assert worker_shares(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ValueError, match="lower rollout.workers"):
+        worker_shares(2, 3)
+
+
+# ---------------------------------------------------------------------------- decoupled PPO, by hand
+
+
+def _loss(mode: str, is_correction: str = "none"):
+    algorithm = GRPO()
+    algorithm.setup(None, GRPOConfig(beta=0.0, epsilon=0.2, loss_aggregation="token"),
+                    RolloutConfig(mode=mode, workers=1 if mode != "sync" else 0, is_correction=is_correction))
+    logp = torch.tensor([[-1.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    prox = torch.tensor([[-1.2, -0.5]], dtype=torch.float64)  # pi_prox: the trainer's weights before the update
+    behav = torch.tensor([[-2.0, -0.1]], dtype=torch.float64)  # pi_behav: the version that sampled the batch
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, stats = algorithm.loss(logp, prox, None, torch.tensor([1.0], dtype=torch.float64), mask, None, behav)
+    return loss, stats, logp
+
+
+def test_off_policy_batches_get_the_decoupled_ppo_weight_worked_by_hand():
+    # rho = exp(logp - prox) = (e^0.2, 1); clipped surrogate with A = +1: min(rho, clip(rho, 0.8, 1.2)) = (1.2, 1)
+    # w = min(exp(prox - behav), 2) = (min(e^0.8, 2), e^-0.4) = (2, 0.67032); term = w * surrogate
+    loss, stats, logp = _loss("one_step_off")
+    expected = -(2.0 * 1.2 + math.exp(-0.4) * 1.0) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert float(stats["is_capped_frac"]) == pytest.approx(0.5)
+    loss.backward()
+    # token 1 is clipped (no gradient); token 2: d(-w rho / 2)/dlogp = -w rho / 2 with rho = 1
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(-math.exp(-0.4) / 2, abs=1e-12)
+
+
+def test_a_sync_run_applies_no_correction_unless_asked_and_async_can_name_icepop():
+    loss, _, _ = _loss("sync")
+    assert loss.item() == pytest.approx(-(1.2 + 1.0) / 2, abs=1e-12)
+    loss, stats, _ = _loss("async", is_correction="icepop")  # w = (e^0.8 > 2: dropped, e^-0.4 in [0.5, 2])
+    assert loss.item() == pytest.approx(-(math.exp(-0.4) * 1.0) / 2, abs=1e-12)
+    assert float(stats["is_dropped_frac"]) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------- what a worker returns
+
+
+def _rollout(prompts: list[str], g: int = 2, logp_value: float = -0.5) -> Rollout:
+    n = len(prompts) * g
+    return Rollout(prompts=[p for p in prompts for _ in range(g)], completions=["1"] * n,
+                   input_ids=torch.ones(n, 4, dtype=torch.long), attention_mask=torch.ones(n, 4, dtype=torch.long),
+                   completion_mask=torch.ones(n, 2, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
+                   prompt_length=2, group_size=g, rows=[{"prompt": p} for p in prompts for _ in range(g)],
+                   sampling_logp=torch.full((n, 2), logp_value))
+
+
+def _message(task: Task, rollout: Rollout, batch=None, version=None) -> dict:
+    return decode(encode({"batch": task.batch if batch is None else batch,
+                          "version": task.version if version is None else version,
+                          "rollout": rollout_to_dict(rollout)}))
+
+
+def test_a_returned_batch_round_trips_and_is_accepted():
+    task = Task(3, 1, 0, [{"prompt": "a"}, {"prompt": "b"}], [1, 2, 3, 4])
+    rollout = checked_rollout(_message(task, _rollout(["a", "b"])), task, group_size=2)
+    assert rollout.prompts == ["a", "a", "b", "b"] and rollout.rows[2] == {"prompt": "b"}
+    assert Task.from_dict(decode(encode(task.to_dict()))) == task
+
+
+@pytest.mark.parametrize("case, match", [
+    ("version", "sampled by policy version 0, but was asked for batch 3 from version 1"),
+    ("batch", "returned batch 4"),
+    ("shape", "3 completions in groups of 1, expected 4"),
+    ("prompts", "prompts that are not the task's"),
+    ("nan", "not finite"),
+])
+def test_a_wrong_batch_is_refused_naming_the_worker(case, match):
+    task = Task(3, 1, 7, [{"prompt": "a"}, {"prompt": "b"}], [1, 2, 3, 4])
+    rollout = {"shape": _rollout(["a", "b", "c"], g=1), "prompts": _rollout(["b", "a"]),
+               "nan": _rollout(["a", "b"], logp_value=float("nan"))}.get(case, _rollout(["a", "b"]))
+    message = _message(task, rollout, version=0 if case == "version" else None, batch=4 if case == "batch" else None)
+    with pytest.raises(RolloutWorkerError, match="rollout worker 7") as err:
+        checked_rollout(message, task, group_size=2)
+    assert match in str(err.value) and "refused" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--rollout.mode=async", "--rollout.workers=1", "--rollout.max_staleness=-1"],
+     "rollout.max_staleness must be >= 0"),
+    (["--rollout.mode=one_step_off"], "set rollout.workers to 1 or more"),
+    (["--rollout.workers=9", "--grpo.prompts_per_step=8"], "lower rollout.workers to at most 8"),
+    (["--rollout.workers=1", "--grpo.dynamic_sampling=true"], "grpo.dynamic_sampling"),
+    (["--rollout.workers=1", "--rollout.worker_address=localhost"], "is not HOST:PORT"),
+    (["--rollout.worker_launch=external"], "set rollout.workers to how many you start"),
+])
+def test_settings_that_cannot_work_are_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_an_engine_that_cannot_run_in_a_worker_is_refused():
+    register_engine("colocated_only", copies_weights=False)(lambda *args: None)
+    try:
+        with pytest.raises(ConfigError, match="cannot run in a rollout worker.*rollout.engine=hf or vllm"):
+            load_config(None, ["--rollout.engine=colocated_only", "--rollout.workers=1"])
+    finally:
+        del ENGINES["colocated_only"]
+
+
+def test_workers_beside_several_trainer_processes_are_refused():
+    config = load_config(None, ["--rollout.workers=1", "--grpo.prompts_per_step=8"])
+    with pytest.raises(ConfigError, match="rollout.workers=1 with 2 trainer processes"):
+        check_world_size(config, 2)
+
+
+# ---------------------------------------------------------------------------- real runs
+
+
+RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=24",
+       "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=2", "--grpo.warmup_steps=2",
+       "--grpo.learning_rate=3e-4", "--quiet"]
+
+
+def cli(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "grpokit", *args], capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "grpokit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for_rows(metrics, n, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout}s")
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(metrics_rows):
+    """Metrics without wall-clock numbers: timings can make a run wait, never change what it computes."""
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "rollout/sync_time_s"}
+            for r in metrics_rows]
+
+
+def weights(run_dir, step):
+    return load_file(run_dir / "checkpoints" / f"step-{step}" / "model.safetensors")
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def worker_pids():
+    found = subprocess.run(["pgrep", "-f", "grpokit rollout-worker"], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found if int(p) != os.getpid()]
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """pi_SFT of the demo-size model, briefly trained, so rewards (and advantages) vary."""
+    out = tmp_path_factory.mktemp("sft")
+    cli("sft", f"--output_dir={out}", "--sft.max_steps=60", "--num_sft_examples=800", "--sft.warmup_steps=5",
+        "--quiet")
+    return out / "checkpoints" / "sft"
+
+
+@pytest.fixture(scope="module")
+def async_run(sft_checkpoint, tmp_path_factory):
+    """An uninterrupted async (k = 2) run of 6 steps with one spawned worker."""
+    out = tmp_path_factory.mktemp("async") / "run"
+    cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6", *RUN,
+        "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    return out
+
+
+def test_an_async_run_is_off_policy_as_scheduled_and_corrected(async_run):
+    metrics = rows(async_run)
+    assert [r["rollout/staleness_max"] for r in metrics] == [0, 1, 2, 2, 2, 2]
+    assert all(r["rollout/staleness_mean"] == r["rollout/staleness_max"] for r in metrics)
+    # same weights sample and learn batch 1: the worker's log-probs are the trainer's
+    assert metrics[0]["rollout/logp_mismatch"] < 1e-5
+    assert all(r["rollout/logp_mismatch"] > 1e-3 for r in metrics[2:])  # older weights: the TIS weight moves
+    assert all("rollout/is_capped_frac" in r and 0 <= r["perf/trainer_idle_frac"] <= 1 for r in metrics)
+    assert metrics[-1]["rollout/push_bytes"] > 4_000_000  # 1.05M float32 parameters, every step
+    assert not worker_pids()  # the run ended its worker
+
+
+def test_two_runs_with_the_same_seed_are_identical(async_run, tmp_path, sft_checkpoint):
+    again = tmp_path / "again"
+    cli("train", f"--output_dir={again}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6", *RUN,
+        "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    assert comparable(rows(again)) == comparable(rows(async_run))
+    assert same_weights(weights(again, 6), weights(async_run, 6))
+
+
+def test_sigkill_and_resume_end_as_the_uninterrupted_run(async_run, tmp_path, sft_checkpoint):
+    run = tmp_path / "killed"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6",
+                 *RUN, "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    wait_for_rows(run / "metrics.jsonl", 3, proc)  # step-2 holds batches 3 and 4, sampled by versions 0 and 1
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while worker_pids() and time.monotonic() < deadline:  # the worker dies with its trainer
+        time.sleep(0.05)
+    assert not worker_pids()
+    cli("train", str(run / "config.yaml"), "--resume", "--quiet")
+    assert comparable(rows(run)) == comparable(rows(async_run))
+    assert same_weights(weights(run, 6), weights(async_run, 6))
+
+
+def test_a_worker_that_dies_stops_the_run_naming_it_and_how_to_resume(tmp_path, sft_checkpoint):
+    run = tmp_path / "run"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",
+                 *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1", "--distributed.timeout_s=30")
+    wait_for_rows(run / "metrics.jsonl", 3, proc)
+    killed_at = time.monotonic()
+    for pid in worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30  # within distributed.timeout_s
+    assert proc.returncode == 1
+    assert "rollout worker 0 (pid" in err and "was killed by SIGKILL" in err
+    assert "Last checkpoint:" in err and f"grpokit train {run / 'config.yaml'} --resume" in err
+    assert "Traceback" not in err
+
+
+def test_a_hung_weight_push_stops_the_run_within_the_timeout(tmp_path, sft_checkpoint):
+    run = tmp_path / "run"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",
+                 *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1", "--distributed.timeout_s=5")
+    wait_for_rows(run / "metrics.jsonl", 2, proc)
+    pids = worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+    stopped_at = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert time.monotonic() - stopped_at < 20  # the timeout is 5 s; a push or a wait notices it
+    assert proc.returncode == 1
+    assert "rollout worker 0" in err or "pushing policy version" in err, err[-2000:]
+    assert "--resume" in err and "Traceback" not in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_workers_started_by_hand_over_loopback(tmp_path, sft_checkpoint, async_run):
+    """Two workers started as another machine's would be (rollout.worker_launch=external), each taking
+    its share of every batch; the trainer prints the command, and the workers exit cleanly after it."""
+    port = _free_port()
+    run = tmp_path / "run"
+    trainer = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=4",
+                    *RUN, "--rollout.mode=one_step_off", "--rollout.workers=2", "--rollout.worker_launch=external",
+                    f"--rollout.worker_address=127.0.0.1:{port}")
+    workers = [start("rollout-worker", "--connect", f"127.0.0.1:{port}", "--index", str(i)) for i in range(2)]
+    _, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, err[-3000:]
+    assert f"--connect 127.0.0.1:{port} --index I` with I = 0..1" in err
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+    metrics = rows(run)
+    assert [r["rollout/staleness_max"] for r in metrics] == [0, 1, 1, 1]
+    assert all(r["completion/mean_length"] > 0 for r in metrics)
