@@ -5,6 +5,7 @@ when a worker dies or a weight push hangs, and workers started by hand over loop
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,9 +215,33 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def worker_pids():
-    found = subprocess.run(["pgrep", "-f", "grpokit rollout-worker"], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found if int(p) != os.getpid()]
+def worker_pids(trainer: subprocess.Popen, timeout: float = 60) -> list[int]:
+    """The pids of the rollout workers `trainer` spawned (its children), once they are up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-P", str(trainer.pid), "-f", "rollout-worker"], capture_output=True,
+                               text=True).stdout.split()
+        if found:
+            return [int(p) for p in found]
+        assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("no rollout worker started")
+
+
+def gone(pids: list[int], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +257,12 @@ def sft_checkpoint(tmp_path_factory):
 def async_run(sft_checkpoint, tmp_path_factory):
     """An uninterrupted async (k = 2) run of 6 steps with one spawned worker."""
     out = tmp_path_factory.mktemp("async") / "run"
-    cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6", *RUN,
-        "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    trainer = start("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6",
+                    *RUN, "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    pids = worker_pids(trainer)
+    _, err = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0, err[-3000:]
+    assert gone(pids)  # the run ended its worker
     return out
 
 
@@ -245,7 +275,6 @@ def test_an_async_run_is_off_policy_as_scheduled_and_corrected(async_run):
     assert all(r["rollout/logp_mismatch"] > 1e-3 for r in metrics[2:])  # older weights: the TIS weight moves
     assert all("rollout/is_capped_frac" in r and 0 <= r["perf/trainer_idle_frac"] <= 1 for r in metrics)
     assert metrics[-1]["rollout/push_bytes"] > 4_000_000  # 1.05M float32 parameters, every step
-    assert not worker_pids()  # the run ended its worker
 
 
 def test_two_runs_with_the_same_seed_are_identical(async_run, tmp_path, sft_checkpoint):
@@ -260,13 +289,11 @@ def test_sigkill_and_resume_end_as_the_uninterrupted_run(async_run, tmp_path, sf
     run = tmp_path / "killed"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6",
                  *RUN, "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1")
+    pids = worker_pids(proc)
     wait_for_rows(run / "metrics.jsonl", 3, proc)  # step-2 holds batches 3 and 4, sampled by versions 0 and 1
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 10
-    while worker_pids() and time.monotonic() < deadline:  # the worker dies with its trainer
-        time.sleep(0.05)
-    assert not worker_pids()
+    assert gone(pids)  # the worker dies with its trainer
     cli("train", str(run / "config.yaml"), "--resume", "--quiet")
     assert comparable(rows(run)) == comparable(rows(async_run))
     assert same_weights(weights(run, 6), weights(async_run, 6))
@@ -276,9 +303,10 @@ def test_a_worker_that_dies_stops_the_run_naming_it_and_how_to_resume(tmp_path, 
     run = tmp_path / "run"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",
                  *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1", "--distributed.timeout_s=30")
+    pids = worker_pids(proc)
     wait_for_rows(run / "metrics.jsonl", 3, proc)
     killed_at = time.monotonic()
-    for pid in worker_pids():
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - killed_at < 30  # within distributed.timeout_s
@@ -292,8 +320,8 @@ def test_a_hung_weight_push_stops_the_run_within_the_timeout(tmp_path, sft_check
     run = tmp_path / "run"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",
                  *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1", "--distributed.timeout_s=5")
+    pids = worker_pids(proc)
     wait_for_rows(run / "metrics.jsonl", 2, proc)
-    pids = worker_pids()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
     stopped_at = time.monotonic()
@@ -334,3 +362,75 @@ def test_workers_started_by_hand_over_loopback(tmp_path, sft_checkpoint, async_r
     metrics = rows(run)
     assert [r["rollout/staleness_max"] for r in metrics] == [0, 1, 1, 1]
     assert all(r["completion/mean_length"] > 0 for r in metrics)
+
+
+# ---------------------------------------------------------------------------- with vLLM (make test-vllm)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (CPU: make test-vllm)")
+def test_vllm_workers_in_the_three_modes_and_sync_samples_what_colocated_vllm_does(sft_checkpoint, tmp_path):
+    """vLLM's per-request seeds make a batch the same wherever it is sampled: sync with a worker gives
+    exactly the metrics of colocated sync. one_step_off and async run to the end on their schedules."""
+    args = [f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=4", *RUN, "--rollout.engine=vllm"]
+    cli("train", f"--output_dir={tmp_path / 'colocated'}", *args)
+    staleness = {}
+    for mode in ("sync", "one_step_off", "async"):
+        cli("train", f"--output_dir={tmp_path / mode}", *args, f"--rollout.mode={mode}", "--rollout.workers=1",
+            "--rollout.max_staleness=2")
+        staleness[mode] = [r["rollout/staleness_max"] for r in rows(tmp_path / mode)]
+    assert staleness == {"sync": [0, 0, 0, 0], "one_step_off": [0, 1, 1, 1], "async": [0, 1, 2, 2]}
+
+    def learning(metrics_rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("perf/", "rollout/"))} for r in metrics_rows]
+
+    assert learning(rows(tmp_path / "sync")) == learning(rows(tmp_path / "colocated"))
+    assert same_weights(weights(tmp_path / "sync", 4), weights(tmp_path / "colocated", 4))
+
+
+# ---------------------------------------------------------------------------- the demo's RL stage (make test-slow)
+
+
+def sigkill_after(args: list[str], metrics, rows_before_kill: int) -> None:
+    proc = start(*args)
+    pids = worker_pids(proc)
+    wait_for_rows(metrics, rows_before_kill, proc, timeout=900)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert gone(pids)
+
+
+@pytest.mark.slow
+def test_one_step_off_on_the_demo_learns_repeats_exactly_and_resumes_exactly_after_sigkill(tmp_path, seed0_demo):
+    """The demo's RL stage from the seed-0 demo's pi_SFT with rollout.mode=one_step_off and one worker:
+    +15 points or more; a second run with the same seed writes the same metrics rows (timings aside)
+    and weights; a third, SIGKILLed after step 70 (checkpoint step-50) and resumed, the same again."""
+    args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet",
+            "--rollout.mode=one_step_off", "--rollout.workers=1"]
+    first, second, killed = tmp_path / "first", tmp_path / "second", tmp_path / "killed"
+    cli(*args, f"--output_dir={first}", timeout=1800)
+    summary = json.loads((first / "summary.json").read_text())
+    print(f"one_step_off: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%} "
+          f"in {summary['wall_seconds']:.0f}s")
+    assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
+    cli(*args, f"--output_dir={second}", timeout=1800)
+    assert comparable(rows(second)) == comparable(rows(first))
+    assert same_weights(weights(second, 150), weights(first, 150))
+
+    sigkill_after([*args, f"--output_dir={killed}"], killed / "metrics.jsonl", 70)
+    assert (killed / "checkpoints" / "step-50").is_dir() and not (killed / "checkpoints" / "step-150").exists()
+    resumed = cli("train", str(killed / "config.yaml"), "--resume", "--quiet", timeout=1800)
+    assert "resumed from" in resumed.stderr and "step-50" in resumed.stderr
+    assert comparable(rows(killed)) == comparable(rows(first))
+    assert same_weights(weights(killed, 150), weights(first, 150))
+
+
+@pytest.mark.slow
+def test_async_with_staleness_2_on_the_demo_learns(tmp_path, seed0_demo):
+    run = tmp_path / "async"
+    cli("train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--quiet", "--rollout.mode=async",
+        "--rollout.max_staleness=2", "--rollout.workers=1", f"--output_dir={run}", timeout=1800)
+    summary = json.loads((run / "summary.json").read_text())
+    print(f"async k=2: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%}")
+    assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
+    assert max(r["rollout/staleness_max"] for r in rows(run)) == 2

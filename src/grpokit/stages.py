@@ -343,7 +343,7 @@ def _rollout_workers(config: Config, model, tokenizer, model_len: int | None, ru
                             config.grpo.num_generations, model_len or max_model_len(config.rollout, model),
                             config.distributed.timeout_s, run_dir / "logs", tokenizer.pad_token_id)
     print(f"{config.rollout.workers} rollout worker(s) ready at {remote.address} in {time.perf_counter() - started:.1f}s; "
-          f"rollout.mode={config.rollout.mode}, staleness {config.rollout.staleness}")
+          f"rollout.mode={config.rollout.mode}, staleness {config.rollout.staleness}{remote.threads}")
     return remote
 
 

@@ -491,7 +491,8 @@ class RolloutConfig:
                  "reaches rollout.worker_address")
     worker_address: str = opt("127.0.0.1:0", "HOST:PORT where the trainer listens for its rollout workers; port 0 "
                                               "= a free port, printed at start")
-    worker_threads: int = opt(0, "torch threads of each spawned rollout worker; 0 = torch's default")
+    worker_threads: int = opt(0, "torch threads of each spawned rollout worker; 0 = on CPU an equal share of the "
+                                 "cores for each worker and the trainer, else torch's default")
 
     @property
     def staleness(self) -> int:

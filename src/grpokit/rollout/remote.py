@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from grpokit.rollout.schedule import worker_shares
 from grpokit.rollout.weight_channel import WeightChannel
-from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode, rollout_to_dict
+from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode
 from grpokit.types import Rollout
 
 POLL_S = 0.005  # how often a wait looks at the store again
@@ -58,6 +58,19 @@ def _value(tensor_or_fn) -> torch.Tensor:
     return tensor_or_fn() if callable(tensor_or_fn) else tensor_or_fn
 
 
+def _distinct_tensors(weights: Mapping) -> list[str]:
+    """The names to push: one per storage (tied embeddings are one tensor under two names, and the
+    worker's model ties them the same way, so loading one loads both)."""
+    names, seen = [], set()
+    for name, value in weights.items():
+        key = None if callable(value) else (value.untyped_storage().data_ptr(), value.storage_offset(),
+                                            tuple(value.shape))
+        if key is None or key not in seen:
+            names.append(name)
+            seen.add(key)
+    return names
+
+
 class RemoteRollouts:
     """Starts or awaits the workers, queues their tasks, pushes weights, collects and checks rollouts."""
 
@@ -71,9 +84,9 @@ class RemoteRollouts:
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self.address = f"{host}:{self.store.port}"
         weights = _weights(model)
-        self.names = list(weights)
-        shapes = [(name, list(_value(t).shape), str(_value(t).dtype).removeprefix("torch."))
-                  for name, t in weights.items()]
+        self.names = _distinct_tensors(weights)
+        shapes = [(name, list(_value(weights[name]).shape), str(_value(weights[name]).dtype).removeprefix("torch."))
+                  for name in self.names]
         self.store.set("setup", encode({"config": run_config, "tensors": shapes, "sampling": sampling,
                                         "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
                                         "device": self.device.type}))
@@ -86,16 +99,30 @@ class RemoteRollouts:
         self.version = -1  # the newest version pushed
         self.pending_resubmit: list[tuple] = []  # restored tasks to queue again after the first push
         self.pushed_bytes = 0
+        self.received_bytes = 0  # rollout bytes read from the store, since the last take()
         self.last_failure = ""  # what the workers' tool engines say failed their last samples
         self._beats = [(-1, time.monotonic())] * self.workers
         self._checked = 0.0
+        self.threads = ""  # how spawned workers and the trainer share this machine's cores, said at start
         if rollout_config.worker_launch == "spawn":
-            self._spawn(rollout_config.worker_threads)
+            self._spawn(self._share_cores(rollout_config.worker_threads))
         else:
             print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit rollout-worker "
                   f"--connect {self.address} --index I` with I = 0..{self.workers - 1}", file=sys.stderr)
         self._await_all([f"ready/{w}" for w in range(self.workers)], "start")
         self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
+
+    def _share_cores(self, threads: int) -> int:
+        """Torch threads per spawned worker: rollout.worker_threads, or on CPU (0) an equal share of the
+        cores this process may use, the trainer keeping the rest; more threads than cores in all would
+        make every process wait on the others."""
+        if threads or self.device.type != "cpu":
+            return threads
+        cores = len(os.sched_getaffinity(0))
+        threads = max(1, cores // (self.workers + 1))
+        torch.set_num_threads(max(1, cores - threads * self.workers))
+        self.threads = f"; {threads} thread(s) per worker, {torch.get_num_threads()} for the trainer"
+        return threads
 
     def _spawn(self, threads: int) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +223,9 @@ class RemoteRollouts:
                 continue
             key = f"result/{batch}/{task.worker}"
             waited += self._await_all([key], f"batch {batch}")
-            self.received[batch][task.worker] = decode(self.store.get(key))
+            data = self.store.get(key)
+            self.received_bytes += len(data)
+            self.received[batch][task.worker] = decode(data)
             self.store.delete_key(key)
         return waited
 
@@ -205,6 +234,7 @@ class RemoteRollouts:
         seconds waited for it), each worker's share checked (wire.checked_rollout) first."""
         if batch not in self.tasks:
             raise RolloutWorkerError(f"batch {batch} was never queued to the rollout workers")
+        self.received_bytes = 0
         waited = self._receive(batch)
         tasks, messages = self.tasks.pop(batch), self.received.pop(batch)
         parts = [checked_rollout(messages[t.worker], t, self.group_size) for t in tasks]

@@ -375,6 +375,7 @@ class Trainer:
         dropped, self._dropped_stale = self._dropped_stale, 0
         return rollout, result, {"rollout/staleness_mean": float(staleness), "rollout/staleness_max": staleness,
                                  "rollout/dropped_stale": dropped, "rollout/push_bytes": self.remote.pushed_bytes,
+                                 "rollout/received_bytes": self.remote.received_bytes,
                                  **metrics}
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
