@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -297,6 +298,21 @@ def test_sigkill_and_resume_end_as_the_uninterrupted_run(async_run, tmp_path, sf
     cli("train", str(run / "config.yaml"), "--resume", "--quiet")
     assert comparable(rows(run)) == comparable(rows(async_run))
     assert same_weights(weights(run, 6), weights(async_run, 6))
+
+
+def test_a_resume_with_a_lower_max_staleness_drops_and_counts_the_batches_now_too_stale(async_run, tmp_path):
+    """step-4 of the k = 2 run holds batches 5 and 6, sampled by versions 2 and 3. Resumed with k = 0
+    they are 2 versions too old: both are dropped (2 x 4 prompts x 4 completions, counted at step 5)
+    and sampled again, from versions 4 and 5, with the same prompts."""
+    run = tmp_path / "run"
+    shutil.copytree(async_run, run, symlinks=True)
+    cli("train", str(run / "config.yaml"), f"--output_dir={run}", "--resume", str(run / "checkpoints" / "step-4"),
+        "--force", "--rollout.max_staleness=0", "--quiet")
+    resumed, straight = rows(run), rows(async_run)
+    assert [r["rollout/dropped_stale"] for r in resumed[4:]] == [32, 0]
+    assert [r["rollout/staleness_max"] for r in resumed[4:]] == [0, 0]
+    assert comparable(resumed[:4]) == comparable(straight[:4])
+    assert resumed[4]["rollout/logp_mismatch"] < 1e-5  # sampled by the weights that learn from it
 
 
 def test_a_worker_that_dies_stops_the_run_naming_it_and_how_to_resume(tmp_path, sft_checkpoint):

@@ -14,7 +14,7 @@ RESUME_SAFE_KEYS = (
     "grpo.max_nonfinite_steps", "sft.max_tokens_per_micro_batch", "model.device",
     "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
     "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.enforce_eager", "distributed.timeout_s",
-    "model.gradient_checkpointing",
+    "model.gradient_checkpointing", "rollout.worker_launch", "rollout.worker_address", "rollout.worker_threads",
 )
 
 

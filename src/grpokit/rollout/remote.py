@@ -97,7 +97,6 @@ class RemoteRollouts:
         self.received: dict[int, dict[int, dict]] = {}  # batch -> worker -> the message it returned
         self.sent = [0] * self.workers  # tasks queued per worker: the key of the next
         self.version = -1  # the newest version pushed
-        self.pending_resubmit: list[tuple] = []  # restored tasks to queue again after the first push
         self.pushed_bytes = 0
         self.received_bytes = 0  # rollout bytes read from the store, since the last take()
         self.last_failure = ""  # what the workers' tool engines say failed their last samples
@@ -125,10 +124,21 @@ class RemoteRollouts:
         return threads
 
     def _spawn(self, threads: int) -> None:
+        """Start the workers here: on CUDA worker w on GPU w + 1 (NCCL puts one rank on a GPU; the trainer
+        has GPU 0), on CPU sharing the cores (_share_cores)."""
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if self.device.type == "cuda" and gpus < self.workers + 1:
+            raise RolloutWorkerError(
+                f"rollout.workers={self.workers} spawned beside the trainer need {self.workers + 1} GPUs (one each), "
+                f"and this machine shows {gpus}: lower rollout.workers, or start workers on other machines "
+                f"(rollout.worker_launch=external)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
         for w in range(self.workers):
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = visible[((self.device.index or 0) + w + 1) % gpus]
             self.logs[w] = self.log_dir / f"rollout-worker-{w}.log"
             with open(self.logs[w], "wb") as log:
                 command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", self.address,
@@ -261,31 +271,26 @@ class RemoteRollouts:
             saved.append(entry)
         return saved
 
-    def restore(self, saved: list[dict], version: int, staleness: int) -> int:
-        """Take back a checkpoint's in-flight batches at policy `version` (call before the first push):
-        kept rollouts are used as they are; tasks without them are sampled by `version`, as are kept
-        ones now staler than `staleness` allows (rollout.max_staleness lowered since), which are
-        dropped. Returns the completions dropped."""
-        dropped = 0
+    def restore(self, saved: list[dict], staleness: int) -> tuple[dict[int, tuple[list, list]], int]:
+        """Take back a checkpoint's in-flight batches (before the first push). Kept rollouts are used
+        as they are, unless they are now staler than `staleness` allows (rollout.max_staleness lowered
+        since): those are dropped. Returns ({batch: (rows, seeds)} of the batches to queue again,
+        the completions dropped)."""
+        again, dropped = {}, 0
         for entry in saved:
             tasks = [Task.from_dict(t) for t in entry["tasks"]]
-            batch = tasks[0].batch
-            results = entry.get("results")
+            batch, results = tasks[0].batch, entry.get("results")
             if results is not None and batch - 1 - tasks[0].version <= staleness and len(results) == len(tasks):
                 self.tasks[batch] = tasks
                 self.received[batch] = {t.worker: r for t, r in zip(tasks, results)}
                 continue
             if results is not None:
                 dropped += sum(len(t.rows) for t in tasks) * self.group_size
-            rows = [r for t in tasks for r in t.rows]
-            seeds = [s for t in tasks for s in t.seeds]
-            self.pending_resubmit.append((batch, version, rows, seeds))
-        return dropped
+            again[batch] = ([r for t in tasks for r in t.rows], [x for t in tasks for x in t.seeds])
+        return again, dropped
 
-    def resubmit_pending(self) -> None:
-        for batch, version, rows, seeds in self.pending_resubmit:
-            self.submit(batch, version, rows, seeds)
-        self.pending_resubmit = []
+    def queued(self, batch: int) -> bool:
+        return batch in self.tasks
 
     # ------------------------------------------------------------------ shutdown
 

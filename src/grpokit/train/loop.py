@@ -195,7 +195,7 @@ class Trainer:
         # policy versions (rollout/schedule.py), while this process learns
         self.remote = remote
         self.staleness = self.rollout_config.staleness
-        self._queued = 0  # the last batch queued to the workers
+        self._again: dict[int, tuple[list, list]] = {}  # a resumed run's batches to queue again: rows, seeds
         self._version_floor = 0  # the oldest version the workers can sample: the one they started from
         self._dropped_stale = 0  # completions of a resumed run's batches too stale to use (counted once)
         self.algorithm = algorithm
@@ -343,22 +343,23 @@ class Trainer:
                                   f"Last good checkpoint: {self.checkpoints.latest() or 'none yet'}") from None
 
     def _queue_batches(self) -> None:
-        """Queue to the workers every batch the newest version may sample (rollout/schedule.py), each with
-        the next B prompts of the data order and the seeds a synchronous run would give them."""
+        """Queue to the workers every batch the newest version may sample (rollout/schedule.py) that is
+        not queued yet: a resumed run's own rows again, else the next B prompts of the data order, with
+        the seeds a synchronous run would give them."""
         cfg = self.config
         for batch in batches_ready(self.global_step, self.staleness, cfg.max_steps):
-            if batch <= self._queued:
+            if batch <= self.global_step or self.remote.queued(batch):
                 continue
-            version = max(sampling_version(batch, self.staleness), self._version_floor)
-            rows = self._next_rows(cfg.prompts_per_step)
-            seeds = request_seeds(self.seed, batch - 1, list(range(len(rows))), cfg.num_generations)
-            self.remote.submit(batch, version, rows, seeds)
-            self._queued = batch
+            if batch in self._again:
+                rows, seeds = self._again.pop(batch)
+            else:
+                rows = self._next_rows(cfg.prompts_per_step)
+                seeds = request_seeds(self.seed, batch - 1, list(range(len(rows))), cfg.num_generations)
+            self.remote.submit(batch, max(sampling_version(batch, self.staleness), self._version_floor), rows, seeds)
 
     def _start_workers(self) -> None:
         """Give the workers the policy as it is now (a fresh run's or a checkpoint's), then their tasks."""
         self.remote.push(self.global_step, self.model)
-        self.remote.resubmit_pending()
         self._queue_batches()
 
     def _remote_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
@@ -662,8 +663,7 @@ class Trainer:
         self._nonfinite_streak = int(state["nonfinite_streak"])
         if self.remote is not None:  # the batches in flight at the checkpoint; the workers start from this version
             saved = state.get("rollout_in_flight", [])
-            self._dropped_stale = self.remote.restore(saved, self.global_step, self.staleness)
-            self._queued = max([self.global_step] + [int(e["tasks"][0]["batch"]) for e in saved])
+            self._again, self._dropped_stale = self.remote.restore(saved, self.staleness)
             self._version_floor = self.global_step
         self.algorithm.load_state_dict(state)
         train_state.restore_rng(state["rng"])
