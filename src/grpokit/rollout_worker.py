@@ -105,6 +105,9 @@ class Worker:
         self.timeout_s = float(setup["timeout_s"])
         threading.Thread(target=_heartbeat, args=(host, port, index, self.timeout_s), daemon=True).start()
         self.config: Config = from_dict(Config, setup["config"])
+        if not 0 <= index < self.config.rollout.workers:
+            raise ValueError(f"--index {index} is not one of this run's rollout workers, "
+                             f"0..{self.config.rollout.workers - 1}")
         self.group_size = int(setup["group_size"])
         self.params = SamplingParams(**setup["sampling"])
         self.model, self.tokenizer = load_policy(self.config, trainable=False)

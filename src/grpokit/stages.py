@@ -342,7 +342,8 @@ def _rollout_workers(config: Config, model, tokenizer, model_len: int | None, ru
     remote = RemoteRollouts(config.rollout, to_dict(config), model, dataclasses.asdict(sampling_params(config.grpo)),
                             config.grpo.num_generations, model_len or max_model_len(config.rollout, model),
                             config.distributed.timeout_s, run_dir / "logs", tokenizer.pad_token_id)
-    print(f"{config.rollout.workers} rollout worker(s) ready at {remote.address} in {time.perf_counter() - started:.1f}s; "
+    print(f"{config.rollout.workers} rollout worker(s) ready at {remote.address} in "
+          f"{time.perf_counter() - started:.1f}s; "
           f"rollout.mode={config.rollout.mode}, staleness {config.rollout.staleness}{remote.threads}")
     return remote
 
@@ -394,8 +395,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             cleanup.push(lambda error, *_: remote.close(failed=error is not None))
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
-                               reward_scorer=stage.scorer if stage else None, engine=_rl_engine(config, engine, tokenizer),
-                               remote=remote)
+                               reward_scorer=stage.scorer if stage else None,
+                               engine=_rl_engine(config, engine, tokenizer), remote=remote)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             if distributed.is_main():

@@ -143,8 +143,10 @@ class RemoteRollouts:
             with open(self.logs[w], "wb") as log:
                 command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", self.address,
                            "--index", str(w)] + (["--threads", str(threads)] if threads else [])
+                # its own session: a Ctrl-C at the terminal reaches the trainer alone, which saves (waiting
+                # for the batches in flight) and then stops its workers
                 self.processes[w] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     preexec_fn=_die_with_parent)
+                                                     preexec_fn=_die_with_parent, start_new_session=True)
 
     # ------------------------------------------------------------------ health
 
