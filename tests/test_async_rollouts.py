@@ -315,6 +315,23 @@ def test_a_resume_with_a_lower_max_staleness_drops_and_counts_the_batches_now_to
     assert resumed[4]["rollout/logp_mismatch"] < 1e-5  # sampled by the weights that learn from it
 
 
+@pytest.mark.parametrize("extra", [
+    ["--model.lora.r=4"],  # the workers get the merged weights W + (alpha/r) B A
+    ["--algo=ppo"],  # PPO's critic stays in the trainer
+    ["--rollout.tool=python", "--model.tiny.alphabet=arithmetic-tir", "--task.prompt_modes={cot: 0.5, tir: 0.5}",
+     "--max_completion_length=64"],  # the sandbox runs in the worker
+], ids=["lora", "ppo", "tool"])
+def test_lora_ppo_and_tool_rollouts_run_with_a_worker(tmp_path, sft_checkpoint, extra):
+    model = [] if "--rollout.tool=python" in extra else [f"--model.name_or_path={sft_checkpoint}"]
+    cli("train", f"--output_dir={tmp_path / 'run'}", *model, "--grpo.max_steps=3", *RUN, "--rollout.mode=one_step_off",
+        "--rollout.workers=1", *extra)
+    metrics = rows(tmp_path / "run")
+    assert [r["rollout/staleness_max"] for r in metrics] == [0, 1, 1]
+    assert all(r["rollout/push_bytes"] > 0 for r in metrics)
+    if "--rollout.tool=python" in extra:  # the worker's tool metrics reach the trainer's log
+        assert all(r["mode/tir/samples"] + r["mode/cot/samples"] == 16 and "tool/rounds" in r for r in metrics)
+
+
 def test_a_worker_that_dies_stops_the_run_naming_it_and_how_to_resume(tmp_path, sft_checkpoint):
     run = tmp_path / "run"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",
