@@ -16,6 +16,7 @@ Any failure is written to the store for the trainer to report, and the process e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import dataclasses
 import datetime
@@ -47,7 +48,11 @@ class StagedVersions:
     """Weight pushes received but not yet loaded, by version; the receiver thread fills it."""
 
     def __init__(self, channel: WeightChannel, shapes: list[tuple], device: torch.device):
+        """shapes: (name, shape, dtype) of each tensor a push holds, in order."""
         self.channel, self.shapes, self.device = channel, shapes, device
+        # on CUDA the receiver works on a stream of its own: a collective waiting for the next push
+        # must not hold up the sampling queued on the default stream
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.versions: dict[int, list[torch.Tensor]] = {}
         self.error: str | None = None
         self.stopped = False
@@ -57,23 +62,29 @@ class StagedVersions:
 
     def _receive(self) -> None:
         try:
-            while True:
-                version, count = self.channel.receive_header()
-                if version == STOP:
-                    break
-                if count != len(self.shapes):
-                    raise RuntimeError(f"the trainer pushed {count} tensors, this worker expects {len(self.shapes)}")
-                buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                           for _, shape, dtype in self.shapes]
-                self.channel.receive_into(buffers)
-                with self.changed:
-                    self.versions[version] = buffers
-                    self.changed.notify_all()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self._receive_pushes()
         except Exception as err:  # noqa: BLE001 - reported to the trainer by the main loop
             self.error = f"receiving weights: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
         with self.changed:
             self.stopped = True
             self.changed.notify_all()
+
+    def _receive_pushes(self) -> None:
+        while True:
+            version, count = self.channel.receive_header()
+            if version == STOP:
+                return
+            if count != len(self.shapes):
+                raise RuntimeError(f"the trainer pushed {count} tensors, this worker expects {len(self.shapes)}")
+            buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                       for _, shape, dtype in self.shapes]
+            self.channel.receive_into(buffers)
+            if self.stream is not None:
+                self.stream.synchronize()  # the version is whole before the sampler may read it
+            with self.changed:
+                self.versions[version] = buffers
+                self.changed.notify_all()
 
     def take(self, version: int) -> list[torch.Tensor]:
         """Version `version`'s tensors, once received; older staged versions are dropped."""
@@ -98,13 +109,15 @@ def _heartbeat(host: str, port: int, index: int, timeout_s: float) -> None:
 class Worker:
     """Worker `index` of the run whose trainer listens at host:port."""
 
-    def __init__(self, host: str, port: int, index: int):
+    def __init__(self, host: str, port: int, index: int, device: str = ""):
         self.index = index
         self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=300))
         setup = decode(self.store.get("setup"))
         self.timeout_s = float(setup["timeout_s"])
         threading.Thread(target=_heartbeat, args=(host, port, index, self.timeout_s), daemon=True).start()
         self.config: Config = from_dict(Config, setup["config"])
+        if device:  # this machine's GPU for this worker (--device), whatever the trainer's config says
+            self.config.model.device = device
         if not 0 <= index < self.config.rollout.workers:
             raise ValueError(f"--index {index} is not one of this run's rollout workers, "
                              f"0..{self.config.rollout.workers - 1}")
@@ -117,13 +130,22 @@ class Worker:
         if rollout.tool:
             self.engine = ToolEngine(self.engine, self.tokenizer, make_tool(rollout.tool, **rollout.tool_args),
                                      rollout.max_tool_calls)
+        state = self.model.state_dict()
+        names = [name for name, _, _ in setup["tensors"]]
+        missing = [name for name in names if name not in state]
+        if missing:
+            raise ValueError(f"this worker's model has no {missing[:3]}: it is not the trainer's architecture")
+        # pushes arrive in the dtypes this worker holds, so they are staged and sent at that size
+        shapes = [(name, shape, str(state[name].dtype).removeprefix("torch.")) for name, shape, _ in setup["tensors"]]
+        self.store.set(f"dtypes/{index}", encode({"dtypes": [dtype for _, _, dtype in shapes]}))
         self.store.set(f"ready/{index}", b"1")
-        channel_device = torch.device("cuda", torch.cuda.current_device()) if setup["device"] == "cuda" else \
-            torch.device("cpu")
+        channel_device = self.device if setup["device"] == "cuda" else torch.device("cpu")
+        if channel_device.type == "cuda":
+            torch.cuda.set_device(channel_device)  # NCCL's rank lives on this GPU
         self.channel = WeightChannel(self.store, index + 1, self.config.rollout.workers + 1, channel_device,
                                      RECEIVER_TIMEOUT_S)
-        self.staged = StagedVersions(self.channel, setup["tensors"], channel_device)
-        self.names = [name for name, _, _ in setup["tensors"]]
+        self.staged = StagedVersions(self.channel, shapes, channel_device)
+        self.names = names
         self.version = -1
 
     def load(self, version: int) -> None:
@@ -135,6 +157,8 @@ class Worker:
         with torch.no_grad():
             for name, tensor in zip(self.names, tensors):
                 state[name].copy_(tensor)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # copied before the staged buffers go
         if self.engine.copies_weights:
             self.engine.sync_weights(self.model)
         self.version = version
@@ -163,9 +187,11 @@ class Worker:
         n = 0
         while True:
             key = f"task/{self.index}/{n}"
-            while not self.store.check([key]):
-                if self.store.check(["stop"]):
+            while True:
+                if self.store.check(["stop"]):  # also before queued tasks: a stopped run needs none of them
                     return
+                if self.store.check([key]):
+                    break
                 if self.staged.error:
                     raise RuntimeError(self.staged.error)
                 time.sleep(POLL_S)
@@ -183,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(it prints the port it picked)")
     parser.add_argument("--index", required=True, type=int, metavar="I", help="this worker's index, 0..workers-1")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--device", default="", help="where this worker's model lives, e.g. cuda:1 (default: the "
+                        "trainer's model.device); on a machine with several workers give each its own GPU")
     args = parser.parse_args(argv)
     host, _, port = args.connect.rpartition(":")
     if not host or not port.isdigit():
@@ -191,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     worker = None
     try:
-        worker = Worker(host, int(port), args.index)
+        worker = Worker(host, int(port), args.index, args.device)
         worker.run()
         worker.staged.thread.join(timeout=worker.timeout_s)  # the trainer's stop reaches the receiver too
     except Exception as err:  # noqa: BLE001 - the trainer names this worker and says why

@@ -75,6 +75,9 @@ def _worker_problems(config: Config) -> Iterator[str]:
         (config.iterative.iterations == 1,
          "iterative.iterations > 1 retrains a reward model between iterations, which rollout workers "
          "(rollout.workers) do not follow yet: set rollout.workers=0"),
+        (r.tensor_parallel_size == 1,
+         f"rollout.tensor_parallel_size={r.tensor_parallel_size} spans a vLLM engine over torchrun's processes, "
+         "and a rollout worker is one process: set it to 1 with rollout.workers"),
     ])
 
 

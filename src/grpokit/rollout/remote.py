@@ -37,14 +37,16 @@ POLL_S = 0.005  # how often a wait looks at the store again
 CHECK_S = 0.5  # how often a wait looks at the workers' health
 
 
-def _die_with_parent() -> None:
-    """A spawned worker gets SIGKILL when the trainer dies (Linux), whatever killed the trainer."""
+def _parent_death_signal():
+    """preexec_fn for a spawned worker: SIGKILL when the trainer dies (Linux), whatever killed it.
+    prctl is looked up here, in the parent: the child between fork and exec must not load libraries."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _weights(model: torch.nn.Module) -> Mapping:
@@ -98,18 +100,25 @@ class RemoteRollouts:
         self.sent = [0] * self.workers  # tasks queued per worker: the key of the next
         self.version = -1  # the newest version pushed
         self.pushed_bytes = 0
-        self.received_bytes = 0  # rollout bytes read from the store, since the last take()
+        self.received_bytes: dict[int, int] = {}  # batch -> rollout bytes read from the store
         self.last_failure = ""  # what the workers' tool engines say failed their last samples
         self._beats = [(-1, time.monotonic())] * self.workers
         self._checked = 0.0
         self.threads = ""  # how spawned workers and the trainer share this machine's cores, said at start
-        if rollout_config.worker_launch == "spawn":
-            self._spawn(self._share_cores(rollout_config.worker_threads))
-        else:
-            print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit rollout-worker "
-                  f"--connect {self.address} --index I` with I = 0..{self.workers - 1}", file=sys.stderr)
-        self._await_all([f"ready/{w}" for w in range(self.workers)], "start")
-        self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
+        try:
+            if rollout_config.worker_launch == "spawn":
+                self._spawn(self._share_cores(rollout_config.worker_threads))
+            else:
+                print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit "
+                      f"rollout-worker --connect {self.address} --index I` with I = 0..{self.workers - 1}",
+                      file=sys.stderr)
+            self._await_all([f"ready/{w}" for w in range(self.workers)], "start")
+            # the dtypes the workers hold each tensor in: pushes are cast to them (same config, same dtypes)
+            self.dtypes = [getattr(torch, d) for d in decode(self.store.get("dtypes/0"))["dtypes"]]
+            self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def _share_cores(self, threads: int) -> int:
         """Torch threads per spawned worker: rollout.worker_threads, or on CPU (0) an equal share of the
@@ -142,11 +151,12 @@ class RemoteRollouts:
             self.logs[w] = self.log_dir / f"rollout-worker-{w}.log"
             with open(self.logs[w], "wb") as log:
                 command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", self.address,
-                           "--index", str(w)] + (["--threads", str(threads)] if threads else [])
+                           "--index", str(w)] + (["--threads", str(threads)] if threads else []) + \
+                    (["--device", "cuda"] if gpus else [])  # the one GPU CUDA_VISIBLE_DEVICES leaves it
                 # its own session: a Ctrl-C at the terminal reaches the trainer alone, which saves (waiting
                 # for the batches in flight) and then stops its workers
                 self.processes[w] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     preexec_fn=_die_with_parent, start_new_session=True)
+                                                     preexec_fn=_parent_death_signal(), start_new_session=True)
 
     # ------------------------------------------------------------------ health
 
@@ -200,7 +210,8 @@ class RemoteRollouts:
         """Send the policy as `version` to every worker (each stages it until a task asks for it)."""
         weights = _weights(model)
         try:
-            self.pushed_bytes = self.channel.push(version, (_value(weights[n]) for n in self.names), len(self.names))
+            self.pushed_bytes = self.channel.push(version, (_value(weights[n]) for n in self.names), self.dtypes,
+                                                  len(self.names))
         except RuntimeError as err:  # a peer died or hung inside the collective
             try:
                 self.check_workers()
@@ -236,25 +247,31 @@ class RemoteRollouts:
             key = f"result/{batch}/{task.worker}"
             waited += self._await_all([key], f"batch {batch}")
             data = self.store.get(key)
-            self.received_bytes += len(data)
+            self.received_bytes[batch] = self.received_bytes.get(batch, 0) + len(data)
             self.received[batch][task.worker] = decode(data)
             self.store.delete_key(key)
         return waited
 
     def take(self, batch: int) -> tuple[Rollout, int, dict, float]:
-        """(batch `batch`'s rollout, the version that sampled it, the workers' engine metrics averaged,
-        seconds waited for it), each worker's share checked (wire.checked_rollout) first."""
+        """(batch `batch`'s rollout, the version that sampled it, the workers' engine metrics, seconds
+        waited for it), each worker's share checked (wire.checked_rollout) first. The engine metrics
+        (a tool engine's tool/*) are means weighted by each share's prompts, except wall times and
+        rounds, which the slowest worker sets: their maximum. `rollout/received_bytes` is the batch's size
+        on the wire."""
         if batch not in self.tasks:
             raise RolloutWorkerError(f"batch {batch} was never queued to the rollout workers")
-        self.received_bytes = 0
         waited = self._receive(batch)
         tasks, messages = self.tasks.pop(batch), self.received.pop(batch)
         parts = [checked_rollout(messages[t.worker], t, self.group_size) for t in tasks]
         self.last_failure = next((m.get("failure", "") for m in messages.values() if m.get("failure")), "")
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"rollout/received_bytes": self.received_bytes.pop(batch, 0)}
+        prompts = sum(len(t.rows) for t in tasks)
         for t in tasks:
             for key, value in messages[t.worker].get("metrics", {}).items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) / len(tasks)
+                if key.endswith(("wall_s", "rounds")):
+                    metrics[key] = max(metrics.get(key, 0.0), float(value))
+                else:
+                    metrics[key] = metrics.get(key, 0.0) + float(value) * len(t.rows) / prompts
         return Rollout.cat(parts, self.pad_id), tasks[0].version, metrics, waited
 
     # ------------------------------------------------------------------ checkpoints
@@ -270,6 +287,7 @@ class RemoteRollouts:
             if tasks[0].version < version:
                 self._receive(batch)
                 entry["results"] = [self.received[batch][t.worker] for t in tasks]
+                entry["received_bytes"] = self.received_bytes.get(batch, 0)  # logged when the batch is learnt
             saved.append(entry)
         return saved
 
@@ -285,6 +303,7 @@ class RemoteRollouts:
             if results is not None and batch - 1 - tasks[0].version <= staleness and len(results) == len(tasks):
                 self.tasks[batch] = tasks
                 self.received[batch] = {t.worker: r for t, r in zip(tasks, results)}
+                self.received_bytes[batch] = int(entry.get("received_bytes", 0))
                 continue
             if results is not None:
                 dropped += sum(len(t.rows) for t in tasks) * self.group_size
@@ -301,8 +320,8 @@ class RemoteRollouts:
         failure (`failed`) a worker may be hung: the spawned ones are ended at once."""
         try:
             self.store.set("stop", b"1")
-            if self.channel is not None and not failed:
-                self.channel.stop()
+            if self.channel is not None:
+                self.channel.abort() if failed else self.channel.stop()
         except RuntimeError:
             pass  # a worker is already gone: ended below
         for process in self.processes:

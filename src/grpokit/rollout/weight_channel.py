@@ -9,6 +9,7 @@ hangs makes the collective fail within the group's timeout instead of waiting fo
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,9 @@ def _process_group(store, rank: int, size: int, device: torch.device, timeout_s:
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore("weights", store)
     if device.type == "cuda":
+        # NCCL's wait() only orders streams and a timeout aborts the process from a watchdog; blocking
+        # wait makes it raise in the caller instead, which names the worker and how to resume
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
@@ -39,15 +43,22 @@ class WeightChannel:
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
 
-    def push(self, version: int, tensors: Iterable[torch.Tensor], count: int) -> int:
-        """Send policy `version` (`count` tensors, in the agreed order); returns the bytes sent."""
+    def push(self, version: int, tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], count: int) -> int:
+        """Send policy `version` (`count` tensors in the agreed order, each cast to the dtype the workers
+        hold it in: rounded once, as they would round it); returns the bytes sent."""
         self._broadcast(torch.tensor([version, count], dtype=torch.int64, device=self.device))
         sent = 0
-        for tensor in tensors:
-            tensor = tensor.detach().to(self.device).contiguous()
+        for tensor, dtype in zip(tensors, dtypes, strict=True):
+            tensor = tensor.detach().to(device=self.device, dtype=dtype).contiguous()
             self._broadcast(tensor)
             sent += tensor.numel() * tensor.element_size()
         return sent
+
+    def abort(self) -> None:
+        """Drop the group without waiting on its peers (after a failure; NCCL only, gloo needs nothing)."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None and self.device.type == "cuda":
+            abort()
 
     def stop(self) -> None:
         self._broadcast(torch.tensor([STOP, 0], dtype=torch.int64, device=self.device))

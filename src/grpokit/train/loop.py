@@ -47,7 +47,7 @@ from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncE
 from grpokit.rollout.logprobs import attended_ends
 from grpokit.rollout.remote import RemoteRollouts
 from grpokit.rollout.schedule import batches_ready, sampling_version
-from grpokit.rollout.wire import RolloutWorkerError
+from grpokit.rollout.wire import RolloutWorkerError, Task
 from grpokit.signals import GracefulStop
 from grpokit.train import state as train_state
 from grpokit.train.algorithm import Algorithm, Batch
@@ -376,7 +376,6 @@ class Trainer:
         dropped, self._dropped_stale = self._dropped_stale, 0
         return rollout, result, {"rollout/staleness_mean": float(staleness), "rollout/staleness_max": staleness,
                                  "rollout/dropped_stale": dropped, "rollout/push_bytes": self.remote.pushed_bytes,
-                                 "rollout/received_bytes": self.remote.received_bytes,
                                  **metrics}
 
     def _sample_groups(self, timings: dict) -> tuple[Rollout, RewardResult, dict]:
@@ -647,7 +646,9 @@ class Trainer:
             "failed_streak": dict(self._failed_streak),
             "failed_rollout_streak": self._failed_rollout_streak,
             "nonfinite_streak": self._nonfinite_streak,
-            **({"rollout_in_flight": self._in_flight} if self.remote is not None else {}),
+            **({"rollout_in_flight": self._in_flight,  # and a resumed run's batches not queued again yet
+                "rollout_again": [Task(b, -1, -1, rows, seeds).to_dict() for b, (rows, seeds) in self._again.items()]}
+               if self.remote is not None else {}),
             "rng": train_state.capture_rng(),
             **self.algorithm.state_dict(),
         }
@@ -664,6 +665,9 @@ class Trainer:
         if self.remote is not None:  # the batches in flight at the checkpoint; the workers start from this version
             saved = state.get("rollout_in_flight", [])
             self._again, self._dropped_stale = self.remote.restore(saved, self.staleness)
+            for entry in state.get("rollout_again", []):
+                task = Task.from_dict(entry)
+                self._again[task.batch] = (task.rows, task.seeds)
             self._version_floor = self.global_step
         self.algorithm.load_state_dict(state)
         train_state.restore_rng(state["rng"])
