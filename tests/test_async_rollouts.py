@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from grpokit.rollout.schedule import batches_ready, sampling_version, worker_sha
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode, rollout_to_dict
 from grpokit.train.grpo import GRPO
 from grpokit.types import Rollout
+from run_helpers import RUN, brief_sft, cli, start, wait_for_rows
 
 # ---------------------------------------------------------------------------- the schedule
 
@@ -171,33 +171,6 @@ def test_workers_beside_several_trainer_processes_are_refused():
 # ---------------------------------------------------------------------------- real runs
 
 
-RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=24",
-       "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=2", "--grpo.warmup_steps=2",
-       "--grpo.learning_rate=3e-4", "--quiet"]
-
-
-def cli(*args, check=True, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "grpokit", *args], capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "grpokit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def wait_for_rows(metrics, n, proc, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.02)
-    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout}s")
-
-
 def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -247,11 +220,7 @@ def _state(pid: int) -> str:
 
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory):
-    """pi_SFT of the demo-size model, briefly trained, so rewards (and advantages) vary."""
-    out = tmp_path_factory.mktemp("sft")
-    cli("sft", f"--output_dir={out}", "--sft.max_steps=60", "--num_sft_examples=800", "--sft.warmup_steps=5",
-        "--quiet")
-    return out / "checkpoints" / "sft"
+    return brief_sft(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ class RemoteRollouts:
                 print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit "
                       f"rollout-worker --connect {self.address} --index I` with I = 0..{self.workers - 1}",
                       file=sys.stderr)
-            self._await_all([f"ready/{w}" for w in range(self.workers)], "start")
+            self._await_all([f"ready/{w}" for w in range(self.workers)], starting=True)
             # the dtypes the workers hold each tensor in: pushes are cast to them (same config, same dtypes)
             self.dtypes = [getattr(torch, d) for d in decode(self.store.get("dtypes/0"))["dtypes"]]
             self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
@@ -190,15 +190,16 @@ class RemoteRollouts:
                 raise RolloutWorkerError(f"{self._describe(w)} has not answered for {now - self._beats[w][1]:.0f}s "
                                          f"(distributed.timeout_s={self.timeout_s:g})")
 
-    def _await_all(self, keys: list[str], what: str) -> float:
-        """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited."""
+    def _await_all(self, keys: list[str], starting: bool = False) -> float:
+        """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited.
+        `starting`: the workers' start, which must end within distributed.timeout_s (a batch has no deadline)."""
         started = time.monotonic()
         for key in keys:
             while not self.store.check([key]):
                 if time.monotonic() - self._checked > CHECK_S:
                     self._checked = time.monotonic()
                     self.check_workers()
-                if what == "start" and time.monotonic() - started > self.timeout_s:
+                if starting and time.monotonic() - started > self.timeout_s:
                     raise RolloutWorkerError(f"only some of the {self.workers} rollout worker(s) started within "
                                              f"distributed.timeout_s={self.timeout_s:g}s (missing: {key})")
                 time.sleep(POLL_S)
@@ -245,7 +246,7 @@ class RemoteRollouts:
             if task.worker in self.received.setdefault(batch, {}):
                 continue
             key = f"result/{batch}/{task.worker}"
-            waited += self._await_all([key], f"batch {batch}")
+            waited += self._await_all([key])
             data = self.store.get(key)
             self.received_bytes[batch] = self.received_bytes.get(batch, 0) + len(data)
             self.received[batch][task.worker] = decode(data)

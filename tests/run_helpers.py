@@ -1,0 +1,43 @@
+"""Running grpokit as a user does, in subprocesses: the command line, a run stopped mid-way, and
+the brief pi_SFT that the resume and rollout-worker tests start RL from."""
+
+import subprocess
+import sys
+import time
+
+# The demo's model (hidden 128, 4 layers); a small batch keeps each step short.
+RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=24",
+       "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=2", "--grpo.warmup_steps=2",
+       "--grpo.learning_rate=3e-4", "--quiet"]
+
+
+def cli(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "grpokit.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rows(metrics, n, proc, timeout=300):
+    """Block until metrics.jsonl holds n rows (the run finished step n)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout}s")
+
+
+def brief_sft(tmp_path_factory):
+    """pi_SFT of the demo-size model, briefly trained, so rewards (and advantages) vary."""
+    out = tmp_path_factory.mktemp("sft")
+    cli("sft", f"--output_dir={out}", "--sft.max_steps=60", "--num_sft_examples=800", "--sft.warmup_steps=5",
+        "--quiet")
+    return out / "checkpoints" / "sft"
