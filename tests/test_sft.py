@@ -12,10 +12,12 @@ import torch
 from grpokit.config import SFTConfig
 from grpokit.data import arithmetic
 from grpokit.models import build_tiny_model
+from grpokit.models.precision import set_compute_dtype
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 from grpokit.train.sft import (
     TokenizedExamples,
     collate,
+    forward_dtype,
     pack_rows,
     packed_batch,
     padded_batch,
@@ -127,6 +129,27 @@ def test_packing_check_rejects_attention_that_mixes_examples(tiny_model, tokeniz
                                        tokenizer.pad_token_id)
     assert not packing_matches_padding(AttentionThatIgnoresPositions(tiny_model.to(torch.bfloat16)), data,
                                        list(range(32)), tokenizer.pad_token_id)
+
+
+def demo_policy(dtype: str):
+    """The demo's own pi_SFT-to-be, built as `grpokit demo --model.dtype=...` builds it (fp32 master weights)."""
+    from grpokit.build import load_policy
+    from grpokit.cli import DEMO_PRESET
+    from grpokit.config import load_config
+
+    return load_policy(load_config(str(DEMO_PRESET), [f"--model.dtype={dtype}", "--output_dir=unused"]))
+
+
+def test_bf16_compute_packs_on_the_demo_model(sft_pairs):
+    # bf16 compute over fp32 master weights: packed and padded log-probs differ by bf16 rounding
+    # (about 2e-3 here), which fp32's tolerance took for a leak, so SFT padded one example per row.
+    model, tokenizer = demo_policy("bf16")
+    assert next(model.parameters()).dtype == torch.float32 and forward_dtype(model) == torch.bfloat16
+    data = TokenizedExamples.of(tokenize_examples(tokenizer, sft_pairs[:64]))
+    assert packing_matches_padding(model, data, list(range(64)), tokenizer.pad_token_id)
+    # The same model whose attention sees across examples is still refused in bf16 compute.
+    leaking = set_compute_dtype(AttentionThatIgnoresPositions(model), torch.bfloat16)
+    assert not packing_matches_padding(leaking, data, list(range(64)), tokenizer.pad_token_id)
 
 
 def padded_reference_losses(model, tokenizer, examples, config: SFTConfig, seed: int = 0) -> list[float]:

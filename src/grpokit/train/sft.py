@@ -29,6 +29,7 @@ import torch
 from grpokit import distributed
 from grpokit.config import ConfigError, SFTConfig
 from grpokit.micro_batches import split_by_tokens
+from grpokit.models.precision import compute_dtype
 from grpokit.models.sharding import grad_norm_value
 from grpokit.progress import progress as progress_bar
 from grpokit.rollout.logprobs import attended_ends, labelled_logprobs
@@ -203,6 +204,12 @@ PACKING_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 0
 ISOLATION_TOLERANCE = 1e-3
 
 
+def forward_dtype(model) -> torch.dtype:
+    """The dtype `model`'s matrix products round to: its compute dtype (models/precision.py) where one
+    is recorded, since fp32 master weights under bf16 autocast round as bf16 does, else its weights'."""
+    return compute_dtype(model) or next(model.parameters()).dtype
+
+
 @torch.no_grad()
 def target_logprobs(model, batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False) -> torch.Tensor:
     """[rows, width - 1] float32 log-prob of each labelled next token (0 elsewhere), on the CPU."""
@@ -222,13 +229,13 @@ def packing_matches_padding(model, examples: TokenizedExamples, indices: list[in
                             max_tokens: int = 16384, lockstep: bool = False) -> bool:
     """Whether `model` keeps packed examples apart, checked on a real batch before training relies on it.
 
-    Two checks, in the model's own dtype: (1) packed examples get the log-probs they get one per
-    row, within PACKING_TOLERANCE of that dtype; (2) reversing the first example of every packed
-    row leaves every other example's log-probs unchanged (ISOLATION_TOLERANCE). A model whose
+    Two checks, in the dtype the model computes in: (1) packed examples get the log-probs they get
+    one per row, within PACKING_TOLERANCE of that dtype (bf16 compute over fp32 master weights
+    rounds as bf16 does, so rounding alone never turns packing off); (2) reversing the first example
+    of every packed row leaves every other example's log-probs unchanged (ISOLATION_TOLERANCE). A model whose
     attention ignores packed position_ids lets examples see each other: (2) catches that even
     where the leak is smaller than bf16's rounding in (1)."""
-    dtype = next(model.parameters()).dtype
-    tolerance = PACKING_TOLERANCE.get(dtype, 0.1)
+    tolerance = PACKING_TOLERANCE.get(forward_dtype(model), 0.1)
     lengths = [examples.lengths[i] for i in indices]
     layout = pack_rows(lengths)
     was_training = model.training
