@@ -1,5 +1,6 @@
 """The built-in chain task: solutions, step grades, answer extraction, disjoint splits."""
 
+import math
 import random
 import re
 
@@ -64,6 +65,30 @@ def test_shows_steps():
     assert not arithmetic.shows_steps("A: 12")
     assert not arithmetic.shows_steps("A: 12\n12-3")
     assert not arithmetic.shows_steps("seven plus five\nA: 12")
+
+
+def test_worked_rates_by_hand():
+    # Three worked (two right), two direct (one right): 3/5 show steps, 2/3 of worked and 1/2 of
+    # direct answers are right; accuracy 3/5 = 3/5 x 2/3 + 2/5 x 1/2.
+    completions = ["12-3\nA: 9", "12-3\nA: 8", "5+1\nA: 6", "A: 12", "A: 4"]
+    rates = arithmetic.worked_rates(completions, [True, False, True, True, False])
+    assert rates == {"shows its steps": 0.6, "right if worked": 2 / 3, "right if direct": 0.5}
+    only_direct = arithmetic.worked_rates(["A: 1"], [True])
+    assert math.isnan(only_direct["right if worked"]) and only_direct["right if direct"] == 1.0
+
+
+def test_demo_table_shows_worked_and_direct_accuracy():
+    from grpokit.config import Config
+    from grpokit.eval.evaluate import EvalResult
+    from grpokit.report import format_table
+    from grpokit.tasks.chain import ChainTask
+
+    before = EvalResult(0.5, 0.6, 0.5, 8, 4, ["A: 1", "A: 2", "3-1\nA: 2", "3-1\nA: 3"], [True, False, True, False])
+    after = EvalResult(0.75, 0.8, 0.75, 8, 4, ["3-1\nA: 2"] * 3 + ["3-1\nA: 1"], [True, True, True, False])
+    table = format_table(ChainTask(Config()), before, after).splitlines()
+    assert "shows its steps    50.0%  100.0%   +50.0pt" in table
+    assert "right if worked    50.0%   75.0%   +25.0pt" in table
+    assert "right if direct    50.0%       -          " in table  # no direct answer after: no rate, no change
 
 
 # --- tool-integrated demonstrations ---------------------------------------------------------

@@ -4,6 +4,7 @@ to results.md with the reward curve, the summary's results, and the line of each
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from grpokit import distributed
@@ -33,8 +34,10 @@ def format_table(task, before, after, algo: str = "grpo") -> str:
             (f"maj@{k}", before and before.maj_at_k, after.maj_at_k), *rates]
     lines = [f"held-out questions: {after.num_questions}", f"{'metric':<16} {'before':>7} {name:>7} {'change':>8}"]
     for label, b, a in rows:
-        change = f"{100 * (a - b):>+7.1f}pt" if b is not None else f"{'':>9}"
-        lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} {a:>7.1%} {change}")
+        b = None if b is None or math.isnan(b) else b  # NaN: a rate of nothing (no worked answer, say)
+        change = f"{100 * (a - b):>+7.1f}pt" if b is not None and not math.isnan(a) else f"{'':>9}"
+        lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} "
+                     f"{('-' if math.isnan(a) else f'{a:.1%}'):>7} {change}")
     if after.tir is not None:
         lines += ["", tir_table(before, after, algo)]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ those fences and of `print` (`TIR_ALPHABET`).
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -259,6 +260,20 @@ def shows_steps(completion: str) -> bool:
         if _CHAIN.match(line.strip()):
             return True
     return False
+
+
+def worked_rates(completions: list[str], correct: list[bool]) -> dict[str, float]:
+    """Greedy rates by how each completion answers: the share that shows its steps, and the share
+    right among the worked ones and among the direct ones (NaN where there are none). Accuracy is
+    their mix, so a pi_SFT that answers directly half the time can hide worked arithmetic that is
+    worse, and worked arithmetic is what RL builds on (after RL nearly every answer is worked)."""
+    worked = [shows_steps(c) for c in completions]
+    right_worked = sum(ok for w, ok in zip(worked, correct) if w)
+    right_direct = sum(ok for w, ok in zip(worked, correct) if not w)
+    n_worked, n_direct = sum(worked), len(worked) - sum(worked)
+    return {"shows its steps": n_worked / max(1, len(worked)),
+            "right if worked": right_worked / n_worked if n_worked else math.nan,
+            "right if direct": right_direct / n_direct if n_direct else math.nan}
 
 
 def chain_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:

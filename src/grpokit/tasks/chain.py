@@ -92,5 +92,5 @@ class ChainTask:
         return [s > 0.5 for s in scores]
 
     def report(self, result) -> dict[str, float]:
-        shown = [c for c in result.greedy_completions if arithmetic.shows_steps(c)]
-        return {"shows its steps": len(shown) / max(1, len(result.greedy_completions))}
+        """Greedy held-out rates by answer form: shows its steps, right if worked, right if direct."""
+        return arithmetic.worked_rates(result.greedy_completions, result.greedy_correct)
