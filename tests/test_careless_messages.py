@@ -163,8 +163,8 @@ def test_an_unknown_reward_lists_the_built_in_names_before_loading():
     proc = grpokit("train", "--rewards=[{name: math_acuracy}]")
     line = one_line_error(proc, 2)
     assert line == ("grpokit: config error: rewards[0]: unknown reward function 'math_acuracy' (did you mean "
-                    "'math_accuracy'?); the built-in ones are chain_accuracy, format, math_accuracy, overlong_penalty, "
-                    "or name your own as 'package.module:function'")
+                    "'math_accuracy'?); the built-in ones are chain_accuracy, chain_steps, format, gsm8k_steps, "
+                    "math_accuracy, overlong_penalty, or name your own as 'package.module:function'")
     assert "parameters" not in proc.stdout  # no model was built
 
 

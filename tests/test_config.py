@@ -51,7 +51,7 @@ def test_yaml_file_with_trl_names(tmp_path):
         (["--grpo.warmup_steps=-1"], "grpo.warmup_steps must be >= 0"),
         (["--grpo.weight_decay=-0.1"], "grpo.weight_decay must be >= 0"),
         (["--rewards=[{name: math_acuracy}]"], r"rewards\[0\]: unknown reward function 'math_acuracy' \(did you mean "
-                                               r"'math_accuracy'\?\); the built-in ones are chain_accuracy, format, "),
+                                               r"'math_accuracy'\?\); the built-in ones are chain_accuracy, chain_steps, format, "),
         (["--rewards=[{name: format, args: {x: 1}}]"], "reward 'format' scores completions itself and takes no args"),
         (["--rollout.gpu_memory_utilization=1.5"],
          r"rollout.gpu_memory_utilization must lie in \(0, 1\), got 1.5: .*e.g. 0.5"),

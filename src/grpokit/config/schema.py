@@ -268,6 +268,10 @@ class GRPOConfig:
     scale_rewards: bool = opt(True, "divide advantages by the group std (False = Dr. GRPO)")
     advantage: str = opt("grpo", "the outcome advantage estimator, by registered name: grpo = eq. 5's group-normalised "
                                  "reward; rloo = r minus the mean of the group's other rewards")
+    process_advantage: str = opt("grpo", "the process advantage estimator (step scores), by registered name: grpo = "
+                                         "eq. 6's sum over the steps at or after each token; step = the token's own "
+                                         "step only; per_completion = eq. 6 / the completion's steps; "
+                                         "process_outcome = eq. 6 + eq. 5 of the last step's reward")
     mask_truncated_completions: bool = opt(False, "leave completions without EOS out of the loss")
     temperature: float = opt(0.7, "sampling temperature of the rollouts (the policy trained is the tempered one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
@@ -314,6 +318,7 @@ class GRPOConfig:
         ])
         yield from _refusal(lambda: registry.check_args(registry.policy_loss(g.loss), g.loss_args, "grpo.loss_args"))
         yield from _refusal(lambda: registry.advantage(g.advantage))
+        yield from _refusal(lambda: registry.process_advantage(g.process_advantage))
         if g.loss != "clip" and g.importance_sampling_level != "token":
             yield (f"grpo.importance_sampling_level={g.importance_sampling_level} applies to grpo.loss=clip; "
                    f"grpo.loss={g.loss} uses per-token ratios: set it to token")

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 from grpokit.config.schema import Config, RewardConfig, failed
 from grpokit.errors import ConfigError
+from grpokit.rewards.process import is_process_reward
+from grpokit.rewards.registry import reward_function
 
 
 def validate(config: Config) -> None:
@@ -57,6 +59,7 @@ def cross_section_problems(config: Config) -> Iterator[str]:
          f"tool: set rollout.tool (registered: python), or give tir a share of 0"),
     ])
     yield from _worker_problems(config)
+    yield from _process_reward_problems(config)
     yield from _task_problems(config)
 
 
@@ -79,6 +82,32 @@ def _worker_problems(config: Config) -> Iterator[str]:
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} spans a vLLM engine over torchrun's processes, "
          "and a rollout worker is one process: set it to 1 with rollout.workers"),
     ])
+
+
+def _process_reward_problems(config: Config) -> Iterator[str]:
+    """Process rewards under `rewards` (step scores, eq. 6) with the keys that cannot go with them."""
+    names = [r.name for r in config.rewards if _is_process_reward(r)]
+    if not names:
+        return
+    yield from failed([
+        (len(names) == 1, f"rewards {names} are all process rewards (step scores); eq. 6 takes one set of steps: "
+                          f"keep one of them"),
+        (config.reward_model.kind != "process",
+         f"rewards names the process reward {names[0]!r} and reward_model.kind=process gives step scores too: "
+         f"keep one of them"),
+        (config.algo == "grpo", f"the process reward {names[0]!r} needs algo=grpo: PPO's critic takes one scalar "
+                                f"reward"),
+        (config.grpo.scale_rewards, f"grpo.scale_rewards=false is not defined for the process reward {names[0]!r}: "
+                                    f"eq. 6 normalises step rewards by their group std"),
+    ])
+
+
+def _is_process_reward(reward: RewardConfig) -> bool:
+    """Whether a rewards entry names a process reward (a name that names nothing is the entry's own problem)."""
+    try:
+        return is_process_reward(reward_function(reward.name, reward.args))
+    except ValueError:
+        return False
 
 
 def _named_task(config: Config):

@@ -27,11 +27,13 @@ from grpokit.math.registry import (
     ADVANTAGES,
     IS_CORRECTIONS,
     POLICY_LOSSES,
+    PROCESS_ADVANTAGES,
     LossSettings,
     PolicyTerm,
     register_advantage,
     register_is_correction,
     register_policy_loss,
+    register_process_advantage,
 )
 from grpokit.math.sampling import groups_with_spread
 from grpokit.math.tis import DEFAULT_IS_CAP
@@ -46,6 +48,7 @@ __all__ = [
     "IMPORTANCE_LEVELS",
     "IS_CORRECTIONS",
     "POLICY_LOSSES",
+    "PROCESS_ADVANTAGES",
     "LossSettings",
     "PolicyTerm",
     "aggregate",
@@ -61,6 +64,7 @@ __all__ = [
     "register_advantage",
     "register_is_correction",
     "register_policy_loss",
+    "register_process_advantage",
     "step_bce_loss",
     "value_loss",
 ]

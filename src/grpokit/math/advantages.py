@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from grpokit.math.registry import register_advantage
+from grpokit.math.registry import register_advantage, register_process_advantage
 
 DEFAULT_EPS = 1e-4
 
@@ -103,20 +104,34 @@ def outcome_advantages(
     )
 
 
-def process_advantages(
+@dataclass
+class StepRewards:
+    """Checked step rewards of N completions: rewards[i] [K_i] float64, ends[i] [K_i] long (0-based index
+    of each step's last token), lengths[i] the completion's token count, and the output dtype."""
+
+    rewards: list[torch.Tensor]
+    ends: list[torch.Tensor]
+    lengths: list[int]
+    group_size: int
+    dtype: torch.dtype
+
+    def empty(self) -> torch.Tensor:
+        """[N, T_max] float64 zeros."""
+        return torch.zeros(len(self.rewards), max(self.lengths, default=0), dtype=torch.float64)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` [N, T_max] with every position at or past a completion's length zeroed, in the output dtype."""
+        positions = torch.arange(out.shape[1]).unsqueeze(0)
+        return (out * (positions < torch.tensor(self.lengths).unsqueeze(1))).to(self.dtype)
+
+
+def check_step_rewards(
     step_rewards: Sequence[Sequence[float]],
     step_ends: Sequence[Sequence[int]],
     num_tokens: Sequence[int],
     group_size: int,
-    eps: float = DEFAULT_EPS,
-) -> torch.Tensor:
-    """GRPO process supervision (docs/algorithm.md, eq. 6).
-
-    step_rewards[i][j]: reward of step j of completion i; step_ends[i][j]: 0-based index of
-    that step's last token; num_tokens[i]: completion length. Step rewards are normalised
-    over all steps of the group (unbiased std + eps); token t of completion i gets
-    sum_{j: end_j >= t} r~_i^j. Returns [N, T_max], zero at positions >= num_tokens[i].
-    """
+) -> StepRewards:
+    """The inputs of eq. 6 and its variants, checked and in float64 (see process_advantages)."""
     n = len(step_rewards)
     if len(step_ends) != n or len(num_tokens) != n:
         raise ValueError(
@@ -139,21 +154,56 @@ def process_advantages(
             raise ValueError(f"completion {i}: step ends {e.tolist()} must lie in [0, num_tokens={length})")
         if not torch.isfinite(r).all():
             raise ValueError(f"completion {i}: step rewards {r.tolist()} contain NaN or infinity")
+    return StepRewards(rewards, ends, lengths, group_size, dtype)
 
-    t_max = max(lengths, default=0)
-    out = torch.zeros(n, t_max, dtype=torch.float64)
-    for g in range(0, n, group_size):
-        flat = torch.cat(rewards[g : g + group_size])
+
+def normalised_step_rewards(steps: StepRewards, eps: float = DEFAULT_EPS) -> list[torch.Tensor]:
+    """r~ of eq. 6: each step reward minus the mean of all steps of its group, over their unbiased std + eps.
+    A group whose steps are all equal (or that has none) gets exact zeros: nothing to prefer."""
+    out = [torch.zeros_like(r) for r in steps.rewards]
+    g = steps.group_size
+    for start in range(0, len(steps.rewards), g):
+        flat = torch.cat(steps.rewards[start : start + g])
         if flat.numel() == 0 or bool((flat == flat[0]).all()):
-            continue  # all steps equal (or none): nothing to prefer, advantage stays 0
+            continue
         mean, std = flat.mean(), flat.std()  # unbiased, as in eq. 5
-        for i in range(g, g + group_size):
-            normalised = (rewards[i] - mean) / (std + eps)
-            out[i].index_add_(0, ends[i], normalised)  # reward sits at the step's last token
+        for i in range(start, start + g):
+            out[i] = (steps.rewards[i] - mean) / (std + eps)
+    return out
+
+
+def summed_after(steps: StepRewards, per_step: list[torch.Tensor]) -> torch.Tensor:
+    """[N, T_max]: token t of completion i gets the sum of per_step[i][j] over the steps j ending at or
+    after t (eq. 6's sum), before the length mask."""
+    out = steps.empty()
+    for i, (values, ends) in enumerate(zip(per_step, steps.ends)):
+        out[i].index_add_(0, ends, values)  # a step's value sits at its last token
     # A token is credited with every step ending at or after it: a reverse cumulative sum.
-    out = out.flip(-1).cumsum(-1).flip(-1)
-    positions = torch.arange(t_max).unsqueeze(0)
-    return (out * (positions < torch.tensor(lengths).unsqueeze(1))).to(dtype)
+    return out.flip(-1).cumsum(-1).flip(-1)
+
+
+def process_advantages(
+    step_rewards: Sequence[Sequence[float]],
+    step_ends: Sequence[Sequence[int]],
+    num_tokens: Sequence[int],
+    group_size: int,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """GRPO process supervision (docs/algorithm.md, eq. 6).
+
+    step_rewards[i][j]: reward of step j of completion i; step_ends[i][j]: 0-based index of
+    that step's last token; num_tokens[i]: completion length. Step rewards are normalised
+    over all steps of the group (unbiased std + eps); token t of completion i gets
+    sum_{j: end_j >= t} r~_i^j. Returns [N, T_max], zero at positions >= num_tokens[i].
+    """
+    steps = check_step_rewards(step_rewards, step_ends, num_tokens, group_size)
+    return steps.finish(summed_after(steps, normalised_step_rewards(steps, eps)))
+
+
+@register_process_advantage("grpo")
+def summed_process_advantages(step_rewards, step_ends, num_tokens, group_size) -> torch.Tensor:
+    """Eq. 6: the group-normalised rewards of the steps ending at or after each token, summed."""
+    return process_advantages(step_rewards, step_ends, num_tokens, group_size)
 
 
 def gae_advantages(

@@ -57,6 +57,7 @@ class Registered:
 POLICY_LOSSES: dict[str, Registered] = {}
 IS_CORRECTIONS: dict[str, Registered] = {}
 ADVANTAGES: dict[str, Registered] = {}
+PROCESS_ADVANTAGES: dict[str, Registered] = {}
 
 
 def _register(table: dict, kind: str, name: str, check):
@@ -88,6 +89,14 @@ def register_advantage(name: str, check: Callable[[Mapping], None] | None = None
     return _register(ADVANTAGES, "advantage estimator", name, check)
 
 
+def register_process_advantage(name: str, check: Callable[[Mapping], None] | None = None):
+    """Register `fn(step_rewards, step_ends, num_tokens, group_size) -> advantages [N, T_max]` as `name`:
+    process advantages from each completion's step rewards and the token index of each step's end
+    (process_advantages' arguments, eq. 6); zero at and past each completion's length. A completion
+    with no steps (its reward failed) takes no part in its group's statistics."""
+    return _register(PROCESS_ADVANTAGES, "process advantage estimator", name, check)
+
+
 def _lookup(table: dict, kind: str, key: str, name: str) -> Registered:
     if name in table:
         return table[name]
@@ -117,6 +126,10 @@ def is_correction(name: str) -> Registered:
 
 def advantage(name: str) -> Registered:
     return _lookup(ADVANTAGES, "advantage estimator", "grpo.advantage", name)
+
+
+def process_advantage(name: str) -> Registered:
+    return _lookup(PROCESS_ADVANTAGES, "process advantage estimator", "grpo.process_advantage", name)
 
 
 def check_args(entry: Registered, args: Mapping, key: str) -> None:

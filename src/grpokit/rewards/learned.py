@@ -13,7 +13,6 @@ the policy's own sampled tokens for process advantages (docs/algorithm.md, eq. 6
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from grpokit.data.reward_data import split_steps
 from grpokit.models.loading import resolve_device
 from grpokit.models.precision import compute_autocast, resolve_precision, set_compute_dtype
 from grpokit.models.value import scalar_head_from_policy
+from grpokit.rewards.process import StepScores, step_char_ends
 
 META_FILE = "grpokit_reward_model.json"
 Kind = Literal["outcome", "process"]
@@ -98,11 +98,6 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
 
 
 # --------------------------------------------------------------------------- tokenization
-
-
-def step_char_ends(pieces: list[str]) -> list[int]:
-    """Where each step ends, as a character offset into the joined completion."""
-    return list(itertools.accumulate(len(piece) for piece in pieces))
 
 
 def _token_ends_of(tokenizer, text: str, char_ends: list[int]) -> tuple[list[int], list[int]]:
@@ -213,15 +208,6 @@ class OutcomeRewardModel:
 
     def __call__(self, prompts: list[str], completions: list[str], **_) -> list[float]:
         return self.scores(prompts, completions).tolist()
-
-
-@dataclass
-class StepScores:
-    """A process reward model's verdict on one completion."""
-
-    rewards: list[float]  # sigmoid(logit) of each step: the predicted chance the step is right
-    char_ends: list[int]  # end of each step, as a character offset into the completion
-    has_delimiter: bool  # False: the completion had no delimiter and was scored as one step
 
 
 class ProcessRewardModel:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from grpokit.data import arithmetic
-from grpokit.rewards import math_rewards
+from grpokit.rewards import chain_steps, gsm8k_steps, math_rewards
 from grpokit.rewards.math_rewards import reward_factory  # noqa: F401  (importable from here too)
 
 RewardFunction = Callable[..., list]
@@ -36,6 +36,8 @@ def _builtins() -> None:
     _REGISTRY.setdefault("math_accuracy", math_rewards.math_accuracy)
     _REGISTRY.setdefault("format", math_rewards.format_reward)
     _REGISTRY.setdefault("overlong_penalty", math_rewards.overlong_penalty)
+    _REGISTRY.setdefault("chain_steps", chain_steps.chain_steps)  # process rewards (eq. 6): step scores
+    _REGISTRY.setdefault("gsm8k_steps", gsm8k_steps.gsm8k_steps)
 
 
 def reward_names() -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.rewards.process import is_process_reward, run_process_reward
 from grpokit.rewards.registry import RewardFunction
 
 
@@ -59,7 +60,7 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]
     errors: dict[str, str]
     timeouts: dict[str, int] = field(default_factory=dict)  # samples lost to a timeout, per function
-    step_scores: list | None = None  # a process reward model's StepScores per sample, when one is used
+    step_scores: list | None = None  # StepScores per sample (None where refused), from a process reward
 
     def function_means(self) -> dict[str, float]:
         """Mean of each function over the samples it scored (NaN if it scored none)."""
@@ -70,9 +71,11 @@ class RewardResult:
         return out
 
     def take(self, rows: torch.Tensor) -> "RewardResult":
-        """The results of samples `rows` (step scores are added later, so none are kept)."""
+        """The results of samples `rows` (a process reward model's step scores come later; a process
+        reward function's are kept)."""
+        steps = None if self.step_scores is None else [self.step_scores[i] for i in rows.tolist()]
         return RewardResult(self.total[rows], self.valid[rows], {k: v[rows] for k, v in self.per_function.items()},
-                            dict(self.errors), dict(self.timeouts))
+                            dict(self.errors), dict(self.timeouts), steps)
 
     @staticmethod
     def cat(parts: list["RewardResult"]) -> "RewardResult":
@@ -81,7 +84,8 @@ class RewardResult:
         return RewardResult(torch.cat([p.total for p in parts]), torch.cat([p.valid for p in parts]),
                             {k: torch.cat([p.per_function[k] for p in parts]) for k in names},
                             {k: v for p in reversed(parts) for k, v in p.errors.items()},
-                            {k: sum(p.timeouts.get(k, 0) for p in parts) for k in parts[0].timeouts})
+                            {k: sum(p.timeouts.get(k, 0) for p in parts) for k in parts[0].timeouts},
+                            None if parts[0].step_scores is None else [s for p in parts for s in p.step_scores])
 
     def all_failed(self) -> list[str]:
         """Functions that failed on every sample of this batch."""
@@ -108,18 +112,33 @@ def score_completions(
     rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
 ) -> RewardResult:
     """Run every reward function on the batch. A function that raises, returns the wrong
-    number of scores, or gives None/NaN for a sample fails only those samples."""
+    number of scores, or gives None/NaN for a sample fails only those samples.
+
+    A process reward (rewards/process.py) gives step_scores instead of a term of `total`; its
+    per_function entry is each completion's mean step score. With no outcome reward beside it,
+    `total` is its weighted mean step score, for the log only (no outcome advantage is made of it)."""
     if not rewards:
         raise ValueError("no reward functions configured; add at least one under `rewards`")
+    process = [spec.name for spec in rewards if is_process_reward(spec.fn)]
+    if len(process) > 1:
+        raise ValueError(f"rewards {process} are all process rewards; name at most one (eq. 6 takes one set of steps)")
     n = len(completions)
     total = torch.zeros(n, dtype=torch.float64)
-    per_function, errors, timeouts = {}, {}, {}
+    per_function, errors, timeouts, step_scores = {}, {}, {}, None
     for spec in rewards:
+        steps = None
         try:
             raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=prompts, completions=completions, **columns)
             if raw is None or len(raw) != n:
                 raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
-            scores = torch.tensor([_to_float(v) for v in raw], dtype=torch.float64)
+            if process and spec.name == process[0]:
+                steps, refused = run_process_reward(raw, completions)
+                if refused:
+                    errors[spec.name] = f"refused {len(refused)} of {n} samples; first: {refused[0]}"
+                scores = torch.tensor([math.nan if s is None else sum(s.rewards) / len(s.rewards) for s in steps],
+                                      dtype=torch.float64)
+            else:
+                scores = torch.tensor([_to_float(v) for v in raw], dtype=torch.float64)
             if getattr(raw, "timeouts", 0):  # e.g. math_accuracy: verifications that ran out of time
                 timeouts[spec.name] = int(raw.timeouts)
         except Exception as err:  # a broken reward must not kill the run: mask and count it
@@ -129,9 +148,16 @@ def score_completions(
             warnings.warn(f"reward function {spec.name!r} failed on this batch: {errors[spec.name]}\n"
                           f"{traceback.format_exc(limit=3)}", stacklevel=2)
             scores = torch.full((n,), math.nan, dtype=torch.float64)
+            steps = [None] * n if process and spec.name == process[0] else None
         if torch.isnan(scores).any() and spec.name not in errors:
             errors[spec.name] = f"returned None, NaN or inf for {int(torch.isnan(scores).sum())} of {n} samples"
         per_function[spec.name] = scores
-        total += spec.weight * scores
+        if steps is not None:
+            step_scores = steps
+            only_process = len(rewards) == 1
+            total += spec.weight * scores if only_process else torch.where(torch.isnan(scores), math.nan, 0.0)
+        else:
+            total += spec.weight * scores
     valid = ~torch.isnan(total)
-    return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors, timeouts=timeouts)
+    return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors, timeouts=timeouts,
+                        step_scores=step_scores)

@@ -30,7 +30,7 @@ class Batch:
     ref_logp: torch.Tensor | None  # [N, T] under pi_ref, when the algorithm uses it
     old_logp: torch.Tensor | None  # [N, T] under pi_old, when the algorithm asks for it (else logp.detach())
     tokenizer: object
-    rule_rewards: bool  # rewards from rule functions (False: a process reward model alone)
+    rule_rewards: bool  # outcome rewards configured (False: step scores alone, a process reward model's or function's)
     extras: dict = field(default_factory=dict)  # what advantages() leaves for update_own_model()
 
 

@@ -13,6 +13,7 @@ import torch
 from grpokit.config import GRPOConfig
 from grpokit.math import process_advantages
 from grpokit.math.registry import advantage as registered_advantage
+from grpokit.math.registry import process_advantage as registered_process_advantage
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.train.algorithm import Algorithm, Batch
@@ -23,15 +24,19 @@ __all__ = ["GRPO", "GRPOTrainer", "NonFiniteTraining", "RewardFailure", "frozen_
 
 
 def step_advantages(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor, step_scores: list,
-                    group_size: int) -> torch.Tensor:
-    """Process advantages (eq. 6) on the policy's sampled tokens: each StepScores' character step
-    ends are mapped onto completion_ids [N, T] (see policy_step_ends), then normalised over the
-    group's steps and summed over the steps at or after each token. Returns [N, T] float32 on CPU."""
+                    group_size: int, valid: torch.Tensor | None = None, estimator=process_advantages) -> torch.Tensor:
+    """Process advantages (eq. 6, or the `estimator` grpo.process_advantage names) on the policy's sampled
+    tokens: each StepScores' character step ends are mapped onto completion_ids [N, T] (see
+    policy_step_ends), then normalised over the group's steps and summed over the steps at or after each
+    token. A sample that is not `valid` (its reward failed; its StepScores may be None) has no steps: it
+    takes no part in its group's statistics and gets 0. Returns [N, T] float32 on CPU."""
     lengths = [int(n) for n in lengths]
-    ends = [policy_step_ends(tokenizer, completion_ids[i, :n].tolist(), s.char_ends) if n else []
-            for i, (n, s) in enumerate(zip(lengths, step_scores))]
-    rewards = [s.rewards if n else [] for n, s in zip(lengths, step_scores)]
-    token_adv = process_advantages(rewards, ends, lengths, group_size).float()
+    keep = [bool(ok) and n > 0 and s is not None
+            for ok, n, s in zip(valid if valid is not None else [True] * len(lengths), lengths, step_scores)]
+    ends = [policy_step_ends(tokenizer, completion_ids[i, :n].tolist(), s.char_ends) if k else []
+            for i, (k, n, s) in enumerate(zip(keep, lengths, step_scores))]
+    rewards = [torch.tensor(s.rewards if k else [], dtype=torch.float64) for k, s in zip(keep, step_scores)]
+    token_adv = estimator(rewards, ends, lengths, group_size).float()
     return torch.nn.functional.pad(token_adv, (0, completion_ids.shape[1] - token_adv.shape[1]))
 
 
@@ -42,27 +47,31 @@ class GRPO(Algorithm):
     name = "grpo"
 
     def advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """[N] outcome advantages (grpo.advantage, eq. 5 by default) of the summed rewards; with a
-        process reward model's step scores, [N, T] process advantages (eq. 6), plus the outcome
-        advantages of any rule-based rewards configured beside it."""
+        """[N] outcome advantages (grpo.advantage, eq. 5 by default) of the summed rewards; with step
+        scores (a process reward model's or a process reward function's), [N, T] process advantages
+        (grpo.process_advantage, eq. 6 by default), plus the outcome advantages of any outcome rewards
+        configured beside them."""
         cfg, result, rollout = self.config, batch.result, batch.rollout
         estimator = registered_advantage(cfg.advantage).function
         outcome = estimator(result.total.float(), result.valid, cfg.num_generations, cfg.scale_rewards)
         if result.step_scores is None:
             return outcome.to(batch.loss_mask.device), {}
         token_adv = step_advantages(batch.tokenizer, rollout.completion_ids.cpu(), rollout.completion_lengths.cpu(),
-                                    result.step_scores, cfg.num_generations)
+                                    result.step_scores, cfg.num_generations, result.valid.cpu(),
+                                    registered_process_advantage(cfg.process_advantage).function)
         advantages = token_adv + outcome.unsqueeze(1) if batch.rule_rewards else token_adv
         return advantages.to(batch.loss_mask.device), process_metrics(result)
 
 
 def process_metrics(result: RewardResult) -> dict:
-    steps = [len(s.rewards) for s in result.step_scores]
-    flat = [r for s in result.step_scores for r in s.rewards]
+    """Steps per completion, mean step reward and completions without a step delimiter, over the scored ones."""
+    scored = [s for s in result.step_scores if s is not None]
+    steps = [len(s.rewards) for s in scored]
+    flat = [r for s in scored for r in s.rewards]
     return {
         "process/steps_mean": sum(steps) / max(1, len(steps)),
         "process/step_reward_mean": sum(flat) / max(1, len(flat)),
-        "process/no_delimiter": sum(not s.has_delimiter for s in result.step_scores),
+        "process/no_delimiter": sum(not s.has_delimiter for s in scored),
     }
 
 

@@ -42,6 +42,7 @@ from grpokit.models.sharding import (full_state_dict, grad_norm_value, is_sharde
                                      local_tensors)
 from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.learned import ProcessRewardModel
+from grpokit.rewards.process import is_process_reward
 from grpokit.rewards.scoring import row_columns
 from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds, token_logprobs
 from grpokit.rollout.logprobs import attended_ends
@@ -272,7 +273,8 @@ class Trainer:
 
         t = time.perf_counter()  # the log-probs the update holds fixed, then the advantages
         ref_logp, old_logp = self.fixed_logprobs(rollout)
-        batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, self.tokenizer, bool(self.rewards))
+        batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, self.tokenizer,
+                      any(not is_process_reward(r.fn) for r in self.rewards))
         advantages, algorithm_stats = self.algorithm.advantages(batch)
         timings["perf/logprob_time_s"] = time.perf_counter() - t
 
