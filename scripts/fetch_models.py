@@ -187,8 +187,10 @@ def _built(record: dict, folder: Path, wanted: dict) -> bool:
     return record == wanted and folder.is_dir() and any(folder.iterdir())
 
 
-def build(models: Path, sources: dict[str, Source] = SOURCES) -> list[str]:
-    """Fetch and verify every source, then build what is missing or stale; the lines to print."""
+def build(models: Path, sources: dict[str, Source] | None = None) -> list[str]:
+    """Fetch and verify every source (default: SOURCES), then build what is missing or stale; the
+    lines to print."""
+    sources = SOURCES if sources is None else sources
     downloads = models / ".downloads"
     files = {name: fetch(source, downloads) for name, source in sources.items()}
     marker = models / ".built.json"
@@ -217,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models-dir", type=Path, default=ROOT / "models", help="where the folders go (default: models/)")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
     from grpokit.models.gguf import GgufConversionError
 
+    hf_logging.disable_progress_bar()  # a line per folder says what was built
     start = time.perf_counter()
     try:
         for line in build(args.models_dir):

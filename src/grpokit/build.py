@@ -50,7 +50,8 @@ def load_policy(config: Config, path: str | None = None, trainable: bool = True)
     master = m.master_dtype if trainable else "same"
     if path or m.name_or_path:
         return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
-                                        m.trust_remote_code, master_dtype=master)
+                                        m.trust_remote_code, master_dtype=master, eos_token=m.eos_token,
+                                        chat_template=config.data.chat_template)
     t = m.tiny
     alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
     tokenizer = build_char_tokenizer(alphabets[t.alphabet])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from importlib import resources
 
 from grpokit import distributed
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("rollout-worker", help="grpokit rollout-worker --connect HOST:PORT --index I: sample for a trainer "
                                           "started with rollout.workers (docs/async.md)", add_help=False).add_argument(
         "worker_args", nargs=argparse.REMAINDER)
+    sub.add_parser("convert-gguf", help="grpokit convert-gguf SRC DEST: a GGUF checkpoint (a .gguf file or a "
+                                        "directory holding one) as a plain Hugging Face folder that trains",
+                   add_help=False).add_argument("convert_args", nargs=argparse.REMAINDER)
     sub.add_parser("eval", help="grpokit eval MODEL --data FILE...: CoT and tool-integrated accuracy (DeepSeekMath "
                                 "Table 5); see grpokit eval --help", add_help=False).add_argument(
         "eval_args", nargs=argparse.REMAINDER)
@@ -151,8 +155,41 @@ def bench(argv: list[str]) -> int:
     return 0 if asked else 2
 
 
+def quiet_dependency_warnings() -> None:
+    """Deprecation notices that transformers, PEFT and accelerate raise about their own APIs (e.g.
+    transformers' `is_gradient_checkpointing` FutureWarning, triggered inside PEFT) are meant for
+    grpokit's code, not for the user: keep them off the console. Warnings from anywhere else stay."""
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft|accelerate)(\.|$)")
+
+
+def convert_gguf(argv: list[str]) -> int:
+    """`grpokit convert-gguf SRC DEST`: grpokit.models.gguf.convert_gguf, its logit check printed."""
+    parser = argparse.ArgumentParser(prog="grpokit convert-gguf", description=(
+        "Convert a GGUF checkpoint into a plain Hugging Face folder (safetensors, config, tokenizer with its chat "
+        "template, generation config), then check that the folder's logits equal the GGUF's on a fixed prompt. "
+        "Needs the gguf package: pip install 'grpokit[models]'."))
+    parser.add_argument("src", help="a .gguf file, or a directory holding one")
+    parser.add_argument("dest", help="the directory to write (created; files there are replaced)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from grpokit.models.gguf import GgufConversionError, convert_gguf as convert
+
+    hf_logging.disable_progress_bar()
+    try:
+        done = convert(args.src, args.dest)
+    except GgufConversionError as err:
+        print(f"grpokit: error: {err}", file=sys.stderr)
+        return 1
+    print(f"{done.dest}: {done.parameters:,} parameters from {done.gguf_file}; logits on a {done.prompt_tokens}-token "
+          f"prompt (fp32) match the GGUF's within {done.max_abs_logit_diff:.3g} (tolerance {done.tolerance:g})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_dependency_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if argv[:1] == ["bench"]:
@@ -161,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         from grpokit.rollout_worker import main as worker_main  # see the imports at the top
 
         return worker_main(argv[1:])
+    if argv[:1] == ["convert-gguf"]:
+        return convert_gguf(argv[1:])
     if argv[:1] == ["eval"]:
         from grpokit.eval.command import main as eval_main  # see the imports at the top
 

@@ -37,7 +37,7 @@ from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
 from grpokit.eval.plots import plot_loss_curve
 from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
 from grpokit.models.loading import local_weights_dir
-from grpokit.models.lora import apply_lora, is_lora, load_lora
+from grpokit.models.lora import apply_lora, is_lora, load_lora, parameter_counts
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.report import report_results, stage_times
@@ -117,8 +117,7 @@ def run_sft(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> P
     with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config, write=distributed.is_main())
         model, tokenizer = load_policy(config)
-        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-              f"{describe_precision(model)}")
+        print(f"{model.config.model_type}: {parameter_counts(model)}; {describe_precision(model)}")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if world_sharding(config.distributed.fsdp):
@@ -370,8 +369,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         heldout = _heldout_rows(data.heldout, config, tokenizer)
         if heldout and distributed.is_main():
             write_heldout(run_dir, heldout)  # what `grpokit eval RUN_DIR` evaluates
-        print(f"{model.config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-              f"{describe_precision(model)}; {len(rows)} RL questions, {len(heldout)} held-out questions")
+        print(f"{model.config.model_type}: {parameter_counts(model)}; {describe_precision(model)}; "
+              f"{len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed,
                              _train_model_len(config, task, tokenizer, rows, heldout),
                              _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))

@@ -115,6 +115,8 @@ class ModelConfig:
                                        "the adapters disabled, no second copy")
     gradient_checkpointing: bool = opt(False, "recompute each layer's activations in backward instead of keeping "
                                               "them: less memory, about a third more compute")
+    eos_token: str = opt("", "the token that ends a completion; empty = the chat template's end-of-turn token when "
+                             "prompts use the template (ChatML: <|im_end|>), else the tokenizer's EOS")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules (those of model.lora; model.tiny has none)."""

@@ -12,11 +12,16 @@ import torch
 from grpokit.errors import ConfigError
 from grpokit.models import checkpoint_dirs
 from grpokit.models.checkpoint_dirs import master_weights_dir
+from grpokit.models.end_of_turn import use_end_of_turn_eos
+from grpokit.models.gguf import convert_command, gguf_files, is_gguf_only_dir
+from grpokit.models.model_files import (  # ModelNotFound, DamagedModelFile: raised here, caught by the CLI
+    DamagedModelFile,  # noqa: F401
+    ModelNotFound,
+    check_loading_info,
+    check_model_files,
+    describe_load_failure,
+)
 from grpokit.models.precision import resolve_dtype, resolve_precision, set_compute_dtype
-
-
-class ModelNotFound(ValueError):
-    """model.name_or_path is neither a local model directory nor a hub id that loads here."""
 
 
 class DeviceUnavailable(ConfigError):
@@ -76,6 +81,8 @@ def check_model_directory(name_or_path: str) -> None:
     grpokit run directory (its checkpoints are models) or some other directory. A LoRA adapter
     directory passes: load_model_and_tokenizer loads it with its base."""
     path = Path(name_or_path)
+    if name_or_path and (is_gguf_only_dir(path) or gguf_files(path)):
+        raise ModelNotFound(_gguf_refusal(name_or_path))
     if not name_or_path or not path.is_dir() or (path / "config.json").is_file() or is_lora_adapter(path):
         return  # empty: the built-in tiny model
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
@@ -83,6 +90,15 @@ def check_model_directory(name_or_path: str) -> None:
                             f"{_checkpoints_hint(path)}")
     raise ModelNotFound(f"model.name_or_path {name_or_path!r} is a directory without config.json, so not a "
                         "Hugging Face model: point it at a model directory (config.json + weights) or a hub id")
+
+
+def _gguf_refusal(name_or_path: str) -> str:
+    """Why a GGUF file or folder is not loaded, and the command that converts it once."""
+    source = Path(name_or_path)
+    dest = (source.parent / source.stem if source.is_file() else source.with_name(source.name + "-hf"))
+    return (f"model.name_or_path {name_or_path!r} is a GGUF checkpoint ({gguf_files(source)[0].name}), which grpokit "
+            f"does not load directly (transformers dequantizes it on every load): convert it once with "
+            f"`{convert_command(name_or_path, dest)}` and pass --model.name_or_path={dest}")
 
 
 def _checkpoints_hint(run_dir: Path) -> str:
@@ -138,6 +154,8 @@ def load_model_and_tokenizer(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     master_dtype: str = "same",
+    eos_token: str = "",
+    chat_template: str = "auto",
 ):
     """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer.
 
@@ -147,7 +165,9 @@ def load_model_and_tokenizer(
     (evaluation, a frozen reference).
 
     A tokenizer without a pad token reuses its EOS token for padding; padding is always
-    masked out, so this never changes what the model learns.
+    masked out, so this never changes what the model learns. EOS is `eos_token` (model.eos_token)
+    when set, else the chat template's end-of-turn token when prompts use it (`chat_template`,
+    data.chat_template, is not "off"): models/end_of_turn.py.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,12 +175,17 @@ def load_model_and_tokenizer(
     check_model_directory(name_or_path)
     if is_lora_adapter(name_or_path):
         return _load_adapter(name_or_path, lambda path: load_model_and_tokenizer(
-            path, dtype, device, attn_implementation, trust_remote_code, master_dtype))
+            path, dtype, device, attn_implementation, trust_remote_code, master_dtype, eos_token, chat_template))
     precision = resolve_precision(dtype, master_dtype, dev)
+    local = os.path.isdir(name_or_path)
+    if local:
+        check_model_files(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:  # transformers' "Repo id must use alphanumeric chars", offline misses
-        if os.path.isdir(name_or_path):
+    except Exception as err:  # transformers' "Repo id must use alphanumeric chars", offline misses, bad files
+        if local:
+            raise describe_load_failure(name_or_path, "tokenizer", err) from None
+        if not isinstance(err, (OSError, ValueError)):
             raise
         raise ModelNotFound(f"model {name_or_path!r} is neither a local directory nor a hub id reachable "
                             f"{'offline' if os.environ.get('HF_HUB_OFFLINE') else 'from here'} "
@@ -174,11 +199,36 @@ def load_model_and_tokenizer(
         kwargs["attn_implementation"] = attn_implementation
     # fp32 weights come from a checkpoint's fp32 master/ where it has one (its model.safetensors is bf16)
     master = master_weights_dir(name_or_path) if precision.master == torch.float32 else None
-    model = AutoModelForCausalLM.from_pretrained(str(master or name_or_path), **kwargs).to(dev)
+    weights_dir = str(master or name_or_path)
+    if master:
+        check_model_files(master)
+    model = _load_weights(AutoModelForCausalLM, weights_dir, local, kwargs).to(dev)
     set_compute_dtype(model, precision.compute)
+    use_end_of_turn_eos(model, tokenizer, name_or_path, eos_token, chat_template)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _load_weights(auto_class, weights_dir: str, local: bool, kwargs: dict):
+    """from_pretrained, refusing a local checkpoint whose weights miss some of the model's or have
+    other shapes (transformers would initialise those at random); its load report stays quiet,
+    the refusal names the file instead."""
+    if not local:
+        return auto_class.from_pretrained(weights_dir, **kwargs)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = auto_class.from_pretrained(weights_dir, ignore_mismatched_sizes=True, output_loading_info=True,
+                                                 **kwargs)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise describe_load_failure(weights_dir, "weights", err) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_loading_info(weights_dir, info)
+    return model
 
 
 def local_weights_dir(name_or_path: str) -> str | None:

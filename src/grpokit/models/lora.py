@@ -27,6 +27,18 @@ ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"
 
 
+def parameter_counts(model: torch.nn.Module) -> str:
+    """How many parameters the model has and how many train: with LoRA only the adapters do, so the
+    total alone would overstate what an optimizer step updates."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable == total:
+        return f"{total / 1e6:.2f}M parameters, all trainable"
+    share = f"{100 * trainable / total:.2f}%" if total else "0%"
+    frozen_by = " (LoRA adapters; the base is frozen)" if is_lora(model) else ""
+    return f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M parameters ({share}){frozen_by}"
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
