@@ -7,6 +7,8 @@
     # (in .venv-vllm with trl added: .venv-vllm/bin/pip install trl==1.16.0 datasets -c .venv-vllm/vllm-pins.txt;
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 is set for the workers)
     python benchmarks/vs_trl.py --configs 113m --frameworks trl,grpokit,grpokit-vllm --steps 3 --warmup 1 --pairs 1
+    # a real checkpoint: SmolLM2-135M-Instruct (`make models`) with LoRA, chat-templated prompts
+    python benchmarks/vs_trl.py --configs smollm2 --steps 4 --warmup 1 --pairs 2 --threads 2
 
 What runs
 ---------
@@ -20,6 +22,14 @@ What runs
    reference model exists.
 3. Both use grpokit's `chain_accuracy` reward, whose signature is TRL's
    `fn(prompts, completions, **columns)`; the dataset has `prompt` and `answer` columns.
+
+The real checkpoint (config `smollm2`) skips step 1: both load `models/smollm2-135m-instruct/` (built by
+`make models`) and wrap it in the same fresh LoRA adapters (grpokit's `apply_lora`, TRL's `peft_config`;
+same r, alpha and target modules, no dropout), so pi_ref is the base model with the adapters off in both.
+The prompts are "What is a + b?" / "What is a - b?" questions with grpokit's chain-of-thought instruction,
+through the model's chat template: grpokit gets the rendered text (`render_prompt`, as `grpokit train`
+renders it), TRL the conversation (`[{"role": "user", ...}]`, which it renders itself); the TRL worker
+checks that both give the same prompt token ids. The reward is grpokit's `math_accuracy` in both.
 
 What "one step" is in each (the mapping)
 ----------------------------------------
@@ -50,6 +60,8 @@ generate: time inside the policy's `model.generate` (an instance-level timer in 
 score+ref: the rest of the rollout stage: prompt tokenizing, decoding, rewards, advantages,
           reference log-probs (TRL: `_generate_and_score_completions` minus generate;
           grpokit: step minus generate minus `Trainer.update`).
+ref logp: of score+ref, the reference's no-grad log-prob forward (TRL: its
+          `_get_per_token_logps_and_entropies` called without gradients; grpokit: `Trainer.logprobs`).
 update:   policy forward + backward + clip + optimizer step (TRL: step minus
           `_generate_and_score_completions`; grpokit: `Trainer.update`).
 The median skips the first `--warmup` steps of every run; the reward is the mean batch
@@ -81,6 +93,11 @@ CONFIGS = {
     # 128 tokens in all three trainers, so they do the same work (rewards are all 0 here)
     "113m": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
              "prompts": 4, "generations": 4, "max_new_tokens": 128, "eos_free": True},
+    # a real pretrained checkpoint (`make models`) trained through LoRA adapters, the adapters of
+    # examples/smollm2_word_arithmetic.yaml; chat-templated arithmetic prompts, math_accuracy reward
+    "smollm2": {"model_dir": "models/smollm2-135m-instruct", "prompts": 4, "generations": 4, "max_new_tokens": 64,
+                "lora": {"r": 16, "alpha": 32.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"]}},
 }
 FRAMEWORKS = {"trl": "TRL", "grpokit": "grpokit+hf", "grpokit-vllm": "grpokit+vllm"}
 EOS_FREE_LOGIT_STD = 4.0  # head logit scale that makes a zero EOS logit ~never sampled
@@ -130,11 +147,18 @@ class Timer:
     def reset(self) -> None:
         self.seconds = {}
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, only_without_grad: bool = False):
+        """fn, timed under `name`; with only_without_grad, only its calls made under torch.no_grad()
+        count (TRL computes reference and policy log-probs with one method)."""
+        import torch
+
         def timed(*args, **kwargs):
+            if only_without_grad and torch.is_grad_enabled():
+                return fn(*args, **kwargs)
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with torch.profiler.record_function(name):  # a labelled range in a --profile run
+                    return fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
@@ -150,12 +174,67 @@ def _check_fp32(*models) -> None:
             raise RuntimeError(f"expected an fp32 model, found parameter dtypes {dtypes}")
 
 
+def check_reference(trainer: str, model, ref_model, lora: bool, base_under_adapters: bool) -> None:
+    """pi_ref must be what the other trainer uses too: with LoRA the base model under disabled
+    adapters (`base_under_adapters`), else a separate frozen model; the weights fp32."""
+    if lora:
+        if not base_under_adapters:
+            raise RuntimeError(f"{trainer}'s LoRA reference is not the base model with its adapters disabled")
+        _check_fp32(model)
+    else:
+        if ref_model is None or ref_model is model:
+            raise RuntimeError(f"{trainer} did not build a separate reference model")
+        _check_fp32(model, ref_model)
+
+
 # ---------------------------------------------------------------------------- preparation
 
 
-def prepare(name: str, workdir: Path, sft_steps: int, seed: int, threads: int, num_rl_questions: int) -> dict:
-    """SFT a tiny Llama once for config `name`, save it, and write the RL prompts; reused if present."""
+def arithmetic_questions(n: int, seed: int) -> list[dict]:
+    """`n` rows {question, answer}: "What is a + b?" or "What is a - b?", a and b in 2..60."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, op = rng.randint(2, 60), rng.randint(2, 60), rng.choice("+-")
+        rows.append({"question": f"What is {a} {op} {b}?", "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+def prepare_checkpoint(name: str, workdir: Path, seed: int, num_rl_questions: int, checkpoint: str = "") -> dict:
+    """For a config of a real checkpoint (`checkpoint`, else the config's model_dir): check it is there
+    and write the RL prompts (rendered through its chat template as `grpokit train` renders them);
+    nothing is trained."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpokit.data.templates import render_prompt
+
+    model_dir = Path(checkpoint or CONFIGS[name]["model_dir"]).resolve()
+    if not (model_dir / "config.json").is_file():
+        sys.exit(f"{model_dir} has no config.json: build it with `make models` (config {name}), or name a model "
+                 "folder with --checkpoint")
+    data = workdir / f"rl-prompts-{name}-{model_dir.name}-seed{seed}-{num_rl_questions}.jsonl"
+    if not data.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        rows = [{**r, "prompt": render_prompt(r["question"], tokenizer, "cot")}
+                for r in arithmetic_questions(num_rl_questions, seed + 1)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with torch.device("meta"):  # count the parameters without reading the weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {"model_dir": str(model_dir), "data": str(data), "parameters": sum(p.numel() for p in model.parameters()),
+            "sft_steps": 0, "sft_final_loss": None, "sft_seconds": 0.0}
+
+
+def prepare(name: str, workdir: Path, sft_steps: int, seed: int, threads: int, num_rl_questions: int,
+            checkpoint: str = "") -> dict:
+    """SFT a tiny Llama once for config `name`, save it, and write the RL prompts; reused if present.
+    A config of a real checkpoint takes it as it is (prepare_checkpoint)."""
+    import torch
+
+    if "model_dir" in CONFIGS[name]:
+        return prepare_checkpoint(name, workdir, seed, num_rl_questions, checkpoint)
 
     from grpokit.config import SFTConfig
     from grpokit.data import arithmetic
@@ -215,10 +294,10 @@ def _load_rows(path: str) -> list[dict]:
 def run_grpokit(args) -> dict:
     import torch
 
-    from grpokit.config import GRPOConfig
-    from grpokit.data import arithmetic
+    from grpokit.config import GRPOConfig, LoraConfig
     from grpokit.metrics import read_metrics
     from grpokit.models import load_model_and_tokenizer
+    from grpokit.models.lora import AdapterDisabledReference, apply_lora
     from grpokit.rewards import WeightedReward
     from grpokit.train.grpo import GRPOTrainer
 
@@ -226,6 +305,8 @@ def run_grpokit(args) -> dict:
     b, g = shape["prompts"], shape["generations"]
     random_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(args.model_dir, dtype="fp32", device="cpu")
+    if shape.get("lora"):  # as `grpokit train` does with model.lora.r > 0: the base frozen, adapters trained
+        model = apply_lora(model, LoraConfig(**shape["lora"]))
     config = GRPOConfig(
         num_generations=g,
         prompts_per_step=b,
@@ -246,7 +327,8 @@ def run_grpokit(args) -> dict:
         warmup_steps=0,  # constant lr from step 1, like TRL's lr_scheduler_type="constant"
         weight_decay=0.0,
     )
-    rewards = [WeightedReward("chain_accuracy", arithmetic.chain_accuracy, 1.0, 60.0)]  # grpokit's defaults
+    name, reward = reward_function(args.config)
+    rewards = [WeightedReward(name, reward, 1.0, 60.0)]  # grpokit's defaults
     run_dir = Path(args.run_dir)
     engine = None
     if args.framework == "grpokit-vllm":  # colocated vLLM, weights pushed after every update
@@ -256,9 +338,8 @@ def run_grpokit(args) -> dict:
                             dtype="float32", seed=args.seed)
     trainer = GRPOTrainer(model, tokenizer, rewards, _load_rows(args.data), config, run_dir, seed=args.seed,
                           progress=False, engine=engine)
-    if trainer.ref_model is None or trainer.ref_model is trainer.model:
-        raise RuntimeError("grpokit did not build a separate reference model")
-    _check_fp32(trainer.model, trainer.ref_model)
+    check_reference("grpokit", trainer.model, trainer.ref_model, bool(shape.get("lora")),
+                    isinstance(trainer.ref_model, AdapterDisabledReference))
 
     timer = Timer()
     if engine is None:
@@ -266,14 +347,20 @@ def run_grpokit(args) -> dict:
     else:  # the engine's whole generate call (the weight sync after each update counts in score+ref)
         engine.generate = timer.wrap("generate", engine.generate)
     trainer.update = timer.wrap("update", trainer.update)
+    trainer.logprobs = timer.wrap("ref_logp", trainer.logprobs)  # mu = 1: pi_ref's log-probs alone
     per_step: list[dict] = []
     original_step = trainer.step
 
     def step():
         timer.reset()
-        record = original_step()
+        if args.profile_step == len(per_step) + 1:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                record = original_step()
+            write_profile(profile, Path(args.out).with_suffix(".profile.txt"), args.profile_step)
+        else:
+            record = original_step()
         per_step.append({"generate": timer.seconds.get("generate", 0.0), "update": timer.seconds.get("update", 0.0),
-                         "threads": torch.get_num_threads()})
+                         "ref_logp": timer.seconds.get("ref_logp", 0.0), "threads": torch.get_num_threads()})
         return record
 
     trainer.step = step
@@ -290,15 +377,68 @@ def run_grpokit(args) -> dict:
             "generate_s": extra["generate"],
             "score_ref_s": total - extra["generate"] - extra["update"],
             "update_s": extra["update"],
+            "ref_logp_s": extra["ref_logp"],
             "reward": row["reward/mean"],
             "completion_length": row["completion/mean_length"],
+            "completion_max_length": row["completion/max_length"],
             "kl": row["kl"],
             "threads": extra["threads"],
             # grpokit's own metrics.jsonl timings
-            "perf/rollout_time_s": row["perf/rollout_time_s"],
-            "perf/step_time_s": row["perf/step_time_s"],
+            **{key: row[key] for key in ("perf/rollout_time_s", "perf/scoring_time_s", "perf/logprob_time_s",
+                                         "perf/update_time_s", "perf/step_time_s") if key in row},
         })
     return {"train_wall_s": wall, "steps": steps}
+
+
+def reward_function(config: str):
+    """(name, fn) of the config's reward, in TRL's signature fn(prompts, completions, **columns)."""
+    if "model_dir" in CONFIGS[config]:
+        from grpokit.rewards import math_accuracy
+
+        # its verifier processes start on the first answer that needs math-verify: here, before either
+        # trainer's first step, not inside whichever step first meets such an answer
+        math_accuracy(["warm-up"], ["\\boxed{2}"], answer=["3"])
+        return "math_accuracy", math_accuracy
+    from grpokit.data import arithmetic
+
+    return "chain_accuracy", arithmetic.chain_accuracy
+
+
+def on_completion_text(fn):
+    """fn for TRL's conversational completions ([{"role": "assistant", "content": text}]): fn sees the text."""
+    def reward(prompts, completions, **columns):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(x) for x in fn(prompts, texts, **columns)]
+
+    reward.__name__ = fn.__name__
+    return reward
+
+
+def as_conversations(rows: list[dict]) -> list[dict]:
+    """Rows of a real checkpoint's config for TRL: the user turn as a conversation, which TRL renders
+    through the chat template itself (grpokit's rows hold it rendered: `prompt`)."""
+    from grpokit.data.templates import instruction_text
+
+    return [{**r, "prompt": [{"role": "user", "content": instruction_text(r["question"], "cot")}]} for r in rows]
+
+
+def check_same_prompt_ids(trainer, tokenizer, rows: list[dict], conversations: list[dict]) -> None:
+    """TRL's prompt token ids of the conversations must be those grpokit samples from (its rendered
+    prompts tokenized without special tokens, as HFEngine does)."""
+    theirs = trainer._tokenize_prompts([c["prompt"] for c in conversations[:8]])[0]
+    ours = tokenizer([r["prompt"] for r in rows[:8]], add_special_tokens=False)["input_ids"]
+    if [list(ids) for ids in theirs] != [list(ids) for ids in ours]:
+        raise RuntimeError(f"TRL's prompt ids differ from grpokit's: {list(theirs[0])} vs {ours[0]}")
+
+
+def write_profile(profile, path: Path, step: int) -> None:
+    """The profiled step's operators: by their own CPU time, then by the time inside them (the
+    labelled stages generate, ref_logp and update among them)."""
+    averages = profile.key_averages()
+    path.write_text(f"step {step}, operators by self CPU time\n"
+                    + averages.table(sort_by="self_cpu_time_total", row_limit=25)
+                    + "\nby total CPU time (children included)\n"
+                    + averages.table(sort_by="cpu_time_total", row_limit=25))
 
 
 def random_seed(seed: int) -> None:
@@ -315,8 +455,6 @@ def run_trl(args) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from grpokit.data import arithmetic
 
     shape = CONFIGS[args.config]
     b, g = shape["prompts"], shape["generations"]
@@ -358,18 +496,33 @@ def run_trl(args) -> dict:
         dataloader_num_workers=0,
     )
     assert config.generation_batch_size == b * g and config.steps_per_generation == 1, config
-    dataset = Dataset.from_list(_load_rows(args.data))
-    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic.chain_accuracy], args=config,
-                          train_dataset=dataset, processing_class=tokenizer)
+    rows = _load_rows(args.data)
+    reward = reward_function(args.config)[1]
+    peft_config = None
+    if shape.get("lora"):  # the adapters grpokit's apply_lora makes: same r, alpha, targets; no dropout
+        from peft import LoraConfig
+
+        lora = shape["lora"]
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                 target_modules=lora["target_modules"], task_type="CAUSAL_LM")
+    conversations = as_conversations(rows) if "model_dir" in shape else rows
+    trainer = GRPOTrainer(model=model, reward_funcs=[on_completion_text(reward)], args=config,
+                          train_dataset=Dataset.from_list(conversations), processing_class=tokenizer,
+                          peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)
-    if trainer.ref_model is None or trainer.ref_model is trainer.model:
-        raise RuntimeError("TRL did not build a separate reference model")
-    _check_fp32(trainer.model, trainer.ref_model)
+    # with LoRA, TRL's pi_ref is the base model with the adapters disabled unless it made a "ref" adapter
+    check_reference("TRL", trainer.model, trainer.ref_model, peft_config is not None,
+                    trainer.ref_model is None and "ref" not in getattr(trainer.model, "peft_config", {}))
+    if conversations is not rows:
+        check_same_prompt_ids(trainer, tokenizer, rows, conversations)
 
     timer = Timer()
     policy = trainer.accelerator.unwrap_model(trainer.model)
     policy.generate = timer.wrap("generate", policy.generate)
     trainer._generate_and_score_completions = timer.wrap("rollout", trainer._generate_and_score_completions)
+    # pi_ref's log-probs, without gradients (mu = 1: TRL computes no pi_old pass)
+    trainer._get_per_token_logps_and_entropies = timer.wrap("ref_logp", trainer._get_per_token_logps_and_entropies,
+                                                            only_without_grad=True)
     per_step: dict[int, dict] = {}
 
     class StepTimes(TrainerCallback):
@@ -382,6 +535,7 @@ def run_trl(args) -> dict:
             gen, rollout = timer.seconds.get("generate", 0.0), timer.seconds.get("rollout", 0.0)
             per_step[state.global_step] = {"step": state.global_step, "step_time_s": total, "generate_s": gen,
                                            "score_ref_s": rollout - gen, "update_s": total - rollout,
+                                           "ref_logp_s": timer.seconds.get("ref_logp", 0.0),
                                            "threads": torch.get_num_threads()}
 
         def on_log(self, args_, state, control, logs=None, **kw):
@@ -389,6 +543,7 @@ def run_trl(args) -> dict:
                 per_step[state.global_step].update({
                     "reward": logs["reward"],
                     "completion_length": logs.get("completions/mean_length"),
+                    "completion_max_length": logs.get("completions/max_length"),
                     "kl": logs.get("kl"),
                     "trl/step_time": logs.get("step_time"),  # TRL's own training_step timer (no optimizer step)
                 })
@@ -437,10 +592,12 @@ def summarize(name: str, runs: list[dict], warmup: int, info: dict) -> dict:
             "median_generate_s": median([s["generate_s"] for s in timed]),
             "median_score_ref_s": median([s["score_ref_s"] for s in timed]),
             "median_update_s": median([s["update_s"] for s in timed]),
+            "median_ref_logp_s": median([s["ref_logp_s"] for s in timed if "ref_logp_s" in s]),
             "median_step_s_per_run": [median([s["step_time_s"] for s in r["steps"][warmup:]]) for r in mine],
             f"reward_last{REWARD_WINDOW}": statistics.fmean(rewards) if rewards else float("nan"),
             f"reward_last{REWARD_WINDOW}_per_run": rewards,
             "mean_completion_length": statistics.fmean(s["completion_length"] for s in timed) if timed else None,
+            "max_completion_length": max((s.get("completion_max_length") or 0 for s in timed), default=None),
             "threads": sorted({s["threads"] for s in timed}),
         }
         if fw != "trl":
@@ -471,10 +628,11 @@ def table(results: list[dict]) -> str:
     lines += [
         "",
         ("Where a step's time goes (medians, seconds; score+ref = tokenize/decode, rewards, advantages, "
-         "reference log-probs; update = policy forward+backward+optimizer):"),
+         "reference log-probs, and ref logp its reference log-prob forward; update = policy "
+         "forward+backward+optimizer):"),
         "",
-        "| config | trainer | step | generate | score+ref | update | mean completion tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| config | trainer | step | generate | score+ref | (ref logp) | update | completion tokens: mean, max |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for fw in r["frameworks"]:
@@ -485,8 +643,9 @@ def table(results: list[dict]) -> str:
                 return f"{v:.3f} ({100 * v / step:.0f}%)"
 
             lines.append(f"| {r['config']} | {label} | {step:.3f} | {cell(d['median_generate_s'])} | "
-                         f"{cell(d['median_score_ref_s'])} | {cell(d['median_update_s'])} | "
-                         f"{d['mean_completion_length']:.1f} |")
+                         f"{cell(d['median_score_ref_s'])} | {cell(d['median_ref_logp_s'])} | "
+                         f"{cell(d['median_update_s'])} | {d['mean_completion_length']:.1f}, "
+                         f"{d['max_completion_length']:.0f} |")
     return "\n".join(lines)
 
 
@@ -498,10 +657,27 @@ def parse_sft_steps(text: str, names: list[str]) -> dict[str, int]:
     for part in text.split(","):
         key, _, value = part.partition("=")
         steps[key.strip()] = int(value)
-    missing = [n for n in names if n not in steps]
+    missing = [n for n in names if n not in steps and "model_dir" not in CONFIGS[n]]  # a checkpoint is not SFT-ed
     if missing:
         sys.exit(f"--sft-steps names no value for config(s) {missing}")
     return steps
+
+
+def run_worker(args, env: dict, fw: str, name: str, info: dict, run_dir: Path, out: Path, steps: int,
+               profile_step: int = 0) -> dict:
+    """One trainer's run in a subprocess of its own; its result."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, __file__, "_worker", "--framework", fw, "--config", name,
+           "--model-dir", info["model_dir"], "--data", info["data"], "--run-dir", str(run_dir),
+           "--out", str(out), "--steps", str(steps), "--threads", str(args.threads),
+           "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(args.seed),
+           "--profile-step", str(profile_step)]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-10000:])
+        sys.exit(f"{fw} run failed for config {name} (exit {proc.returncode})")
+    return json.loads(out.read_text())
 
 
 def driver(args) -> None:
@@ -521,7 +697,8 @@ def driver(args) -> None:
     print(f"workdir {workdir}; threads {args.threads}; versions {versions()}", flush=True)
     results = []
     for name in names:
-        info = prepare(name, workdir, sft_steps[name], args.seed, args.threads, args.rl_questions)
+        info = prepare(name, workdir, sft_steps.get(name, 0), args.seed, args.threads, args.rl_questions,
+                       args.checkpoint)
         print(f"[{name}] {info['parameters'] / 1e6:.2f}M parameters, SFT {info['sft_steps']} steps "
               f"(loss {info['sft_final_loss']}) -> {info['model_dir']}", flush=True)
         runs = []
@@ -537,24 +714,20 @@ def driver(args) -> None:
                         runs.append(run)
                         print(f"[{name}] pair {pair + 1}/{args.pairs} {fw:8s} reused {out}", flush=True)
                         continue
-                if run_dir.exists():
-                    shutil.rmtree(run_dir)
-                cmd = [sys.executable, __file__, "_worker", "--framework", fw, "--config", name,
-                       "--model-dir", info["model_dir"], "--data", info["data"], "--run-dir", str(run_dir),
-                       "--out", str(out), "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(args.seed)]
                 started = time.perf_counter()
-                proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-10000:])
-                    sys.exit(f"{fw} run failed for config {name} (exit {proc.returncode})")
-                run = json.loads(out.read_text())
+                run = run_worker(args, env, fw, name, info, run_dir, out, args.steps)
                 runs.append(run)
                 times = [s["step_time_s"] for s in run["steps"][args.warmup:]]
                 rew = [s["reward"] for s in run["steps"][-REWARD_WINDOW:]]
                 print(f"[{name}] pair {pair + 1}/{args.pairs} {fw:8s} median {median(times):.3f} s/step, "
                       f"reward(last {REWARD_WINDOW}) {statistics.fmean(rew):.3f}, "
                       f"subprocess {time.perf_counter() - started:.0f}s", flush=True)
+        if args.profile:  # one more grpokit run, its step after the warm-up under torch.profiler
+            out = workdir / f"{name}-grpokit-profile.json"
+            run_worker(args, env, "grpokit", name, info, workdir / f"{name}-grpokit-profile", out, args.warmup + 1,
+                       profile_step=args.warmup + 1)
+            print(f"\n[{name}] grpokit step {args.warmup + 1} under torch.profiler:\n"
+                  f"{out.with_suffix('.profile.txt').read_text()}", flush=True)
         results.append(summarize(name, runs, args.warmup, info) | {"sft": info, "runs": runs})
     text = table(results)
     print()
@@ -586,6 +759,7 @@ def main(argv=None) -> None:
         p.add_argument("--lr", type=float, required=True)
         p.add_argument("--temperature", type=float, required=True)
         p.add_argument("--seed", type=int, required=True)
+        p.add_argument("--profile-step", type=int, default=0, help="grpokit: run this step under torch.profiler")
         worker(p.parse_args(argv[1:]))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -607,6 +781,11 @@ def main(argv=None) -> None:
     p.add_argument("--sft-steps", default="tiny=200,small=150,113m=0",
                    help="grpokit SFT steps before GRPO: one number, or per config (default tiny=200,small=150,113m=0)")
     p.add_argument("--rl-questions", type=int, default=5000, help="RL prompts in the shared dataset")
+    p.add_argument("--profile", action="store_true",
+                   help="after the measured runs, one more grpokit run whose step after the warm-up runs under "
+                        "torch.profiler (not in the medians); its top operators are printed")
+    p.add_argument("--checkpoint", default="",
+                   help="the model folder of a real checkpoint's config (smollm2), instead of its model_dir")
     p.add_argument("--reuse", action="store_true",
                    help="reuse finished runs in --workdir whose settings match (to resume an interrupted benchmark)")
     p.add_argument("--workdir", default="", help="where checkpoints and runs go; reused SFT checkpoints if present "
