@@ -15,7 +15,7 @@ from grpokit.config import EvalConfig, ModelConfig, RolloutConfig
 from grpokit.rewards.registry import reward_function, reward_names
 from grpokit.train.loop import NO_SIGNAL_STEPS, no_signal_warning
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_rl_questions=64", "--num_eval_questions=8", "--eval.k=2",
         "--eval.before=false", "--eval.tir=false", "--prompts_per_step=2", "--num_generations=4",
@@ -176,7 +176,7 @@ def test_a_custom_reward_that_does_not_import_is_refused_before_loading(tmp_path
                     f"{tmp_path} and on PYTHONPATH")
 
 
-# --- 5. overlong_penalty by the name the README gives ---------------------------------------------
+# --- 5. overlong_penalty by the name the docs give -----------------------------------------------
 
 def test_overlong_penalty_scores_as_documented():
     penalty = reward_function("overlong_penalty", {"max_length": 10, "soft_cache": 4})
@@ -192,8 +192,9 @@ def test_overlong_penalty_counts_the_policys_tokens(tokenizer):
     assert penalty(prompts=["p"] * 3, completions=["1+2", "1+2=", "1+2=3"]) == [-0.5, -1.0, -1.0]
 
 
-def test_the_readme_example_of_overlong_penalty_trains(tmp_path):
-    example = re.search(r"\{name: overlong_penalty, args: \{[^}]*\}, weight: [0-9.]+\}", README.read_text()).group()
+def test_the_docs_example_of_overlong_penalty_trains(tmp_path):
+    guide = (DOCS / "guides" / "gsm8k-math.md").read_text()
+    example = re.search(r"\{name: overlong_penalty, args: \{[^}]*\}, weight: [0-9.]+\}", guide).group()
     proc = grpokit("train", f"--rewards=[{{name: chain_accuracy}}, {example}]", f"--output_dir={tmp_path}", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in metrics(tmp_path):
@@ -303,13 +304,12 @@ def test_a_reward_that_never_varies_warns_once(tmp_path):
                for r in metrics(tmp_path / "run"))
 
 
-# --- 12. every key of metrics.jsonl is explained in the README ------------------------------------
+# --- 12. every key of metrics.jsonl is explained in the metrics reference ----------------------
 
 def readme_metric_keys() -> set[str]:
-    """The first column of the README's metrics.jsonl table."""
-    text = README.read_text()
-    table = text[text.index("`metrics.jsonl` holds one object per step"):]
-    table = table[table.index("| key |"):].split("\n\n", 1)[0]
+    """The first column of the metrics reference's table (docs/reference/metrics.md)."""
+    text = (DOCS / "reference" / "metrics.md").read_text()
+    table = text[text.index("| key |"):].split("\n\n", 1)[0]
     return {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|", table, re.MULTILINE)}
 
 
