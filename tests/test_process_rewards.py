@@ -152,6 +152,28 @@ def test_each_tokens_advantage_through_eq6_from_chain_steps(tokenizer):
     assert process_metrics(type("R", (), {"step_scores": scores})())["process/no_delimiter"] == 1
 
 
+def test_each_tokens_advantage_through_eq6_from_gsm8k_steps():
+    """G = 2 GSM8K-style completions of 22 tokens each (21 characters, then EOS), two steps, the first ending
+    at character 15 (token 14). o1 is right: [1, 1]; o2's annotation 2*3=7 is not exact: [0, 0].
+    R = {1, 1, 0, 0}: mean 1/2, unbiased std sqrt(1/3); h = (1/2) / (sqrt(1/3) + 1e-4).
+    o1: tokens 0-14 carry both steps, 2h; tokens 15-21 the answer step, h. o2: -2h and -h."""
+    from grpokit.build import ASCII_ALPHABET
+    from grpokit.models import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    completions = ["2*3=<<2*3=6>>6\n#### 6", "2*3=<<2*3=7>>7\n#### 7"]
+    scores = gsm8k_steps(["q"] * 2, completions, answer=["6"] * 2)
+    assert scores == [StepScores([1.0, 1.0], [15, 21], True), StepScores([0.0, 0.0], [15, 21], True)]
+    ids = torch.tensor([char_ids(tokenizer, c) for c in completions])
+    h = 0.5 / (math.sqrt(1 / 3) + EPS)
+    expected = torch.tensor([[2 * h] * 15 + [h] * 7, [-2 * h] * 15 + [-h] * 7], dtype=torch.float64)
+    ends = [policy_step_ends(tokenizer, row.tolist(), s.char_ends) for row, s in zip(ids, scores)]
+    assert ends == [[14, 21], [14, 21]]
+    adv = process_advantages([torch.tensor(s.rewards, dtype=torch.float64) for s in scores], ends, [22, 22], 2)
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(step_advantages(tokenizer, ids, torch.tensor([22, 22]), scores, 2), expected.float())
+
+
 # The variants on docs/algorithm.md's worked example: G = 2, 4 tokens, steps ending at tokens 1 and 3,
 # step rewards [1, 1] and [1, 0]. R = {1, 1, 1, 0}: mean 0.75, unbiased std 0.5, so with c = 1 / (0.5 + 1e-4)
 # a 1 normalises to 0.25 c (about +0.5) and the 0 to -0.75 c (about -1.5).
@@ -315,3 +337,25 @@ def test_chain_steps_alone_trains_the_demo_with_eq6(tmp_path):
         assert {"process/steps_mean", "process/no_delimiter", "rewards/chain_steps"} <= set(row)
         assert 0.0 <= row["rewards/chain_steps"] <= 1.0 and row["process/steps_mean"] >= 1
     assert json.loads((out / "summary.json").read_text())["grpo_accuracy"] >= 0.0
+
+
+def test_the_comparison_benchmark_reports_every_arm_and_the_target_per_seed():
+    """benchmarks/process_rewards.py's table and target lines, from made-up summaries (no training)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("process_bench", Path(__file__).parents[1] / "benchmarks" /
+                                                  "process_rewards.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    finals = {(0, "outcome"): 0.50, (0, "process"): 0.55, (1, "outcome"): 0.60, (1, "process"): 0.40}
+    done = {(seed, arm): {"grpo_accuracy": finals.get((seed, arm), 0.5), "sft_accuracy": 0.3,
+                          "grpo": {"k": 8, "maj_at_k": 0.6, "pass_at_k": 0.9},
+                          "greedy_at": {q: (q * 37, 0.1 * q) for q in bench.QUARTERS}}
+            for seed in (0, 1) for arm in bench.ARMS}
+    lines = bench.table([0, 1], done, 150)
+    assert lines[0].startswith("| seed | arm | SFT greedy | greedy 25% (step 37) | greedy 50% (step 74) |")
+    assert len(lines) == 2 + 2 * len(bench.ARMS)
+    assert "| 0 | process | 30.0% | 10.0% | 20.0% | 30.0% | 55.0% | 60.0% | 90.0% | +5.0 pt |" in lines
+    targets = bench.target_lines([0, 1], done)
+    assert targets[0] == "- process ≥ outcome (final greedy) on 1 of 2 seeds (0)"
+    assert len(targets) == len(bench.ARMS) - 1
