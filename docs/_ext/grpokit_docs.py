@@ -7,7 +7,8 @@ reads the page (the `source-read` event) the marker is replaced by Markdown made
   (grpokit.cli.config_keys_help), with the choices of each Literal key from the schema's types and the
   demo preset's value where it differs;
 - `commands`: every subcommand of `grpokit` with its one-line help (grpokit.cli's parser);
-- `layers`: the import layers, top to bottom, from pyproject.toml's import-linter contracts.
+- `layers`: the import layers, top to bottom, from pyproject.toml's import-linter contracts;
+- `modules`: every module of src/grpokit with the first sentence of its docstring, package by package.
 
 The functions are plain (no Sphinx) so the tests can call them too (tests/test_docs.py).
 """
@@ -15,6 +16,7 @@ The functions are plain (no Sphinx) so the tests can call them too (tests/test_d
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import re
 import tomllib
@@ -136,7 +138,34 @@ def layers_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATORS = {"config-keys": config_keys_markdown, "commands": commands_markdown, "layers": layers_markdown}
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring (its first paragraph when that has no sentence end)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    match = re.match(r"(.+?[.!?])(\s+[A-Z`(]|$)", first)
+    return match.group(1) if match else first
+
+
+def modules_markdown() -> str:
+    """A table per package (the root's loose modules first): each module and what its docstring says."""
+    src = ROOT / "src" / "grpokit"
+    groups = {"grpokit": sorted(src.glob("*.py"))}
+    for package in sorted(p for p in src.iterdir() if (p / "__init__.py").is_file()):
+        groups[f"grpokit.{package.name}"] = sorted(package.rglob("*.py"))
+    out = []
+    for name, paths in groups.items():
+        init = src / "__init__.py" if name == "grpokit" else src / name.split(".", 1)[1] / "__init__.py"
+        out += [f"### `{name}`", "", _cell(_summary(init)), "", "| module | what it holds |", "|---|---|"]
+        for path in paths:
+            if path.name != "__init__.py":
+                module = ".".join(path.relative_to(src.parent).with_suffix("").parts)
+                out.append(f"| `{module}` | {_cell(_summary(path))} |")
+        out.append("")
+    return "\n".join(out)
+
+
+GENERATORS = {"config-keys": config_keys_markdown, "commands": commands_markdown, "layers": layers_markdown,
+              "modules": modules_markdown}
 
 
 def expand(text: str) -> str:
