@@ -338,7 +338,8 @@ def test_the_readme_links_resolve():
 
 def test_the_readme_tree_names_every_package():
     tree = next(body for lang, body, _ in code_blocks(README) if body and body[0] == "src/grpokit/")
-    named = {line.split()[0].rstrip("/") for line in tree[1:] if line.startswith("  ") and line.split()[0].endswith("/")}
+    entries = [line.split()[0] for line in tree[1:] if line.startswith("  ")]
+    named = {entry.rstrip("/") for entry in entries if entry.endswith("/")}
     packages = {p.name for p in (ROOT / "src" / "grpokit").iterdir() if p.is_dir() and not p.name.startswith("__")}
     assert named == packages
 
@@ -354,7 +355,8 @@ def demo_row(summary: dict) -> list[str]:
     tir = f"{sft['tir']['greedy_accuracy']:.1%} → {grpo['tir']['greedy_accuracy']:.1%}" if grpo.get("tir") else "-"
     return ["0", f"{sft['greedy_accuracy']:.1%}", f"{grpo['greedy_accuracy']:.1%}",
             f"**{100 * (grpo['greedy_accuracy'] - sft['greedy_accuracy']):+.1f} pt**",
-            f"{sft['pass_at_k']:.1%}", f"{grpo['pass_at_k']:.1%}", f"{sft['maj_at_k']:.1%}", f"{grpo['maj_at_k']:.1%}", tir]
+            f"{sft['pass_at_k']:.1%}", f"{grpo['pass_at_k']:.1%}", f"{sft['maj_at_k']:.1%}", f"{grpo['maj_at_k']:.1%}",
+            tir]
 
 
 @pytest.mark.slow
@@ -363,3 +365,12 @@ def test_the_readme_demo_row_is_what_the_demo_prints(seed0_demo):
     assert readme_demo_row() == printed, (
         "README.md's seed-0 row is not what `grpokit demo --seed 0` printed on this machine; if the code "
         "changed the numbers, the row is now:\n| " + " | ".join(printed) + " |")
+
+
+def test_the_demo_row_reads_a_summary_as_the_demo_prints_it():
+    sft = {"greedy_accuracy": 0.548, "pass_at_k": 0.906, "maj_at_k": 0.634, "tir": {"greedy_accuracy": 0.442}}
+    grpo = {"greedy_accuracy": 0.784, "pass_at_k": 0.906, "maj_at_k": 0.774, "tir": {"greedy_accuracy": 0.438}}
+    summary = {"sft": sft, "grpo": grpo}
+    assert demo_row(summary) == ["0", "54.8%", "78.4%", "**+23.6 pt**", "90.6%", "90.6%", "63.4%", "77.4%",
+                                 "44.2% → 43.8%"]
+    assert len(readme_demo_row()) == len(demo_row(summary))  # the README's row has the columns it fills
