@@ -68,7 +68,8 @@ DEEPSEEK_TOKENIZER_CONFIG = {
 
 
 class FetchError(Exception):
-    """A download that failed or a file whose sha256 differs; the message is one line with the fix."""
+    """A download that failed, a file whose sha256 differs or a build that failed; the message is
+    one line with the fix."""
 
 
 def sha256(path: Path) -> str:
@@ -135,9 +136,13 @@ def build_gguf(files: dict[str, Path], dest: Path) -> str:
 
 
 def build_smollm2(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
-    from grpokit.models.gguf import convert_gguf
+    from grpokit.models.gguf import GgufConversionError, convert_gguf  # torch and transformers: only to build
 
-    done = convert_gguf(gguf_dir, dest)
+    _quiet_transformers()
+    try:
+        done = convert_gguf(gguf_dir, dest)
+    except GgufConversionError as err:
+        raise FetchError(str(err)) from None
     return (f"{done.parameters:,} parameters; logits vs the GGUF on a {done.prompt_tokens}-token prompt (fp32): "
             f"max |diff| {done.max_abs_logit_diff:.3g} (tolerance {done.tolerance:g})")
 
@@ -160,9 +165,16 @@ def _check_tokenizer(folder: Path) -> str:
     """The folder loads with AutoTokenizer; what it is, in a few words."""
     from transformers import AutoTokenizer
 
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     template = "a chat template" if tokenizer.chat_template else "no chat template"
     return f"{type(tokenizer).__name__}, {len(tokenizer):,} tokens, EOS {tokenizer.eos_token!r}, {template}"
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a line per folder says what was built
 
 
 def outputs(models: Path) -> dict[str, tuple[tuple[str, ...], object]]:
@@ -200,7 +212,7 @@ def build(models: Path, sources: dict[str, Source] | None = None) -> list[str]:
         folder = models / name
         wanted = {"build_version": BUILD_VERSION, "sources": {sources[n].file: sources[n].sha256 for n in needs}}
         if _built(built.get(name, {}), folder, wanted):
-            lines.append(f"{folder}: up to date")
+            lines.append(f"{_shown(folder)}: up to date")
             continue
         start = time.perf_counter()
         partial = folder.with_name(folder.name + ".partial")  # a cut-short build never looks finished
@@ -211,24 +223,27 @@ def build(models: Path, sources: dict[str, Source] | None = None) -> list[str]:
         partial.rename(folder)
         built[name] = wanted
         marker.write_text(json.dumps(built, indent=2) + "\n")
-        lines.append(f"{folder}: built in {time.perf_counter() - start:.0f} s: {what}")
+        lines.append(f"{_shown(folder)}: built in {time.perf_counter() - start:.0f} s: {what}")
     return lines
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the working directory when it lies below it (models/..., as make runs it)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models-dir", type=Path, default=ROOT / "models", help="where the folders go (default: models/)")
     args = parser.parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    from grpokit.models.gguf import GgufConversionError
-
-    hf_logging.disable_progress_bar()  # a line per folder says what was built
     start = time.perf_counter()
     try:
         for line in build(args.models_dir):
             print(line, flush=True)
-    except (FetchError, GgufConversionError) as err:
+    except FetchError as err:
         print(f"make models: {err}", file=sys.stderr)
         return 1
     print(f"make models: done in {time.perf_counter() - start:.1f} s")
