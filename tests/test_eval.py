@@ -132,3 +132,25 @@ def test_chain_task_adds_tir_demonstrations_after_the_unchanged_cot_ones():
                for r in with_tir[40:])
     cot_questions = {r["prompt"].split()[1] for r in with_tir[:40]}
     assert not cot_questions & {r["prompt"].split()[1] for r in with_tir[40:]}  # other questions
+
+
+def test_k_zero_evaluates_greedy_only():
+    """eval.k = 0: one greedy pass, no samples drawn; pass@k and maj@k are NaN and the headline omits them."""
+    import math
+
+    from grpokit.eval.evaluate import evaluate
+
+    class Engine:
+        calls = []
+
+        def generate(self, prompts, k, params):
+            self.calls.append((len(prompts), k, params.temperature))
+            return type("Out", (), {"completions": [p.upper() for p in prompts for _ in range(k)]})()
+
+    engine = Engine()
+    rows = [{"prompt": "a", "answer": "A"}, {"prompt": "b", "answer": "c"}]
+    result = evaluate(None, None, rows, lambda c: c, 8, k=0, engine=engine)
+    assert engine.calls == [(2, 1, 0.0)]  # the greedy pass alone
+    assert result.greedy_accuracy == 0.5 and result.k == 0
+    assert math.isnan(result.pass_at_k) and math.isnan(result.maj_at_k)
+    assert result.headline() == "greedy accuracy 50.0%"

@@ -30,8 +30,8 @@ def format_table(task, before, after, algo: str = "grpo") -> str:
     k, name = after.k, algo.upper()
     rates = [(key, task.report(before)[key] if before else None, value) for key, value in task.report(after).items()]
     rows = [("greedy accuracy", before and before.greedy_accuracy, after.greedy_accuracy),
-            (f"pass@{k}", before and before.pass_at_k, after.pass_at_k),
-            (f"maj@{k}", before and before.maj_at_k, after.maj_at_k), *rates]
+            *([(f"pass@{k}", before and before.pass_at_k, after.pass_at_k),
+               (f"maj@{k}", before and before.maj_at_k, after.maj_at_k)] if k else []), *rates]
     lines = [f"held-out questions: {after.num_questions}", f"{'metric':<16} {'before':>7} {name:>7} {'change':>8}"]
     for label, b, a in rows:
         b = None if b is None or math.isnan(b) else b  # NaN: a rate of nothing (no worked answer, say)
@@ -69,7 +69,7 @@ def report_results(config: Config, task, run_dir: Path, history: list[dict], bef
         ratio = f"{tir.seconds / cot_s:.1f}x CoT greedy's {cot_s:.1f}s; " if cot_s > 0 else ""
         print(f"TIR evaluation of {tir.num_questions} questions: {tir.seconds:.1f}s ({ratio}generation "
               f"{tir.generate_seconds:.1f}s, {tir.programs} programs {tir.tool_seconds:.1f}s)")
-    print(f"held-out greedy accuracy {after.greedy_accuracy:.1%}, pass@{after.k} {after.pass_at_k:.1%}")
+    print(f"held-out {after.headline()}")
     if distributed.is_main():  # every process evaluated the same questions; one writes
         (run_dir / "results.md").write_text(table + "\n")
         plot_reward_curve(history, run_dir / "reward_curve.png",

@@ -381,7 +381,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             before = _evaluate_heldout("before", task, model, tokenizer, heldout, config, engine, run_dir, progress,
                                        timings)
             engine.release_memory(weights_pushed_next=False)  # the reward model may train next
-            print(f"before RL, held-out: greedy {before.greedy_accuracy:.1%}, pass@{before.k} {before.pass_at_k:.1%}"
+            print(f"before RL, held-out: {before.headline()}"
                   + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
         t = time.perf_counter()
         stage = _reward_model_for_run(config, task, model, tokenizer, rows, run_dir, progress, checkpoint, boundary,

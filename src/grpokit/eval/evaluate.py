@@ -3,6 +3,7 @@ tool-integrated reasoning on the same rows (`evaluate_tir`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +30,10 @@ class EvalResult:
     greedy_correct: list[bool] = field(default_factory=list, repr=False)  # each greedy completion, by the grading rule
     greedy_seconds: float = 0.0  # generating and grading the greedy completions
     tir: TIRResult | None = None  # the same questions with tool-integrated reasoning, when evaluated
+
+    def headline(self) -> str:
+        """"greedy accuracy X%, pass@k Y%"; greedy alone when no samples were drawn (k = 0)."""
+        return f"greedy accuracy {self.greedy_accuracy:.1%}" + (f", pass@{self.k} {self.pass_at_k:.1%}" if self.k else "")
 
     def as_dict(self) -> dict:
         """The numbers, without the completions (the TIR result's as its own as_dict)."""
@@ -98,7 +103,8 @@ def evaluate(
     bar=None,
 ) -> EvalResult:
     """Greedy accuracy, and pass@k / maj@k from k samples at `temperature`, sampled through
-    `engine` (default: transformers' generate on `model`).
+    `engine` (default: transformers' generate on `model`); k = 0: greedy only (pass@k and maj@k
+    are NaN).
 
     rows: dicts with "prompt" and `answer_key`. A completion is correct when its extracted
     answer is `equivalent` to the reference, or by `grade(rows, completions)` when given (a
@@ -120,6 +126,9 @@ def evaluate(
     greedy = generate_in_calls(engine, prompts, 1, SamplingParams(max_new_tokens, 0.0, 1.0, batch_size), bar)
     greedy_correct = judge(rows, greedy)
     greedy_seconds = time.perf_counter() - start
+    n = len(rows)
+    if k == 0:
+        return EvalResult(sum(greedy_correct) / n, math.nan, math.nan, 0, n, greedy, greedy_correct, greedy_seconds)
     sampled = generate_in_calls(engine, prompts, k, SamplingParams(max_new_tokens, temperature, 1.0, batch_size), bar)
     hits = judge([row for row in rows for _ in range(k)], sampled)
     passes = majority = 0.0
@@ -128,7 +137,6 @@ def evaluate(
         passed, majority_right = sample_scores(answers, hits[q * k : (q + 1) * k], k)
         passes += passed
         majority += majority_right
-    n = len(rows)
     return EvalResult(sum(greedy_correct) / n, passes / n, majority / n, k, n, greedy, greedy_correct, greedy_seconds)
 
 
@@ -190,7 +198,7 @@ def evaluate_task(task, model, tokenizer, rows: list[dict], config: Config, engi
     e = config.eval
     engine = engine or HFEngine(model, tokenizer)
     tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
-    passes = 2 + bool(tir_rows)
+    passes = 1 + bool(e.k) + bool(tir_rows)
     with progress_bar(total=passes * len(rows), desc=f"{desc} ({passes} passes)", unit="question",
                       enabled=progress and distributed.is_main()) as bar:
         result = evaluate(model, tokenizer, rows, task.extract_answer, config.grpo.max_completion_length, k=e.k,
