@@ -584,7 +584,7 @@ class RolloutConfig:
 @dataclass
 class EvalConfig:
     before: bool = opt(True, "evaluate the held-out questions before training too (the before/after table)")
-    k: int = opt(8, "samples per question for pass@k and maj@k")
+    k: int = opt(8, "samples per question for pass@k and maj@k; 0 = greedy accuracy only")
     temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
     batch_size: int = opt(512, "completions per generate call")
     tir: bool = opt(True, "also evaluate with tool-integrated reasoning (the built-in task: its programs run in "
@@ -597,7 +597,7 @@ class EvalConfig:
         """This section's own rules."""
         return failed([
             *_bounds(self, "eval", positive=("temperature",), counts=("batch_size",)),
-            (self.k >= 1, f"eval.k must be >= 1, got {self.k}"),
+            (self.k >= 0, f"eval.k must be >= 0 (0 = greedy only), got {self.k}"),
             (self.max_tool_calls >= 1, f"eval.max_tool_calls must be >= 1, got {self.max_tool_calls}"),
             (self.tool_timeout_s > 0, f"eval.tool_timeout_s must be > 0, got {self.tool_timeout_s}"),
         ])
