@@ -81,6 +81,10 @@ def test_convert_gguf_without_a_gguf_file_or_with_several_says_which(tmp_path, c
     (tmp_path / "b.gguf").write_bytes(b"GGUF")
     assert cli.main(["convert-gguf", str(tmp_path), str(tmp_path / "out")]) == 1
     assert "several .gguf files (a.gguf, b.gguf)" in capsys.readouterr().err
+    (tmp_path / "b.gguf").unlink()
+    assert cli.main(["convert-gguf", str(tmp_path), str(tmp_path)]) == 1  # the destination holds files
+    assert capsys.readouterr().err.strip() == (f"grpokit: error: {tmp_path} already holds files; pass a new or empty "
+                                               "directory as the destination")
 
 
 def test_convert_gguf_names_a_file_that_does_not_load(tmp_path, capsys):

@@ -170,7 +170,7 @@ def convert_gguf(argv: list[str]) -> int:
         "template, generation config), then check that the folder's logits equal the GGUF's on a fixed prompt. "
         "Needs the gguf package: pip install 'grpokit[models]'."))
     parser.add_argument("src", help="a .gguf file, or a directory holding one")
-    parser.add_argument("dest", help="the directory to write (created; files there are replaced)")
+    parser.add_argument("dest", help="the directory to write: new or empty")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

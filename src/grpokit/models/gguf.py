@@ -152,8 +152,8 @@ def convert_gguf(src: str | Path, dest: str | Path, tolerance: float = LOGITS_TO
 
     gguf_file = _single_gguf(src)
     dest = Path(dest)
-    if dest.resolve() == gguf_file.parent.resolve():
-        raise GgufConversionError(f"{dest} is the GGUF file's own directory; pass a new directory as the destination")
+    if dest.is_dir() and any(dest.iterdir()):  # stale weight shards there would load beside the new ones
+        raise GgufConversionError(f"{dest} already holds files; pass a new or empty directory as the destination")
     model, tokenizer = _load_gguf(gguf_file)
     ids = _check_ids(tokenizer)
     expected = _logits(model, ids)
