@@ -156,7 +156,8 @@ def test_settings_that_cannot_work_are_config_errors(overrides, match):
 def test_an_engine_that_cannot_run_in_a_worker_is_refused():
     register_engine("colocated_only", copies_weights=False)(lambda *args: None)
     try:
-        with pytest.raises(ConfigError, match="cannot run in a rollout worker.*rollout.engine=hf or vllm"):
+        with pytest.raises(ConfigError,
+                           match="cannot run in a rollout worker.*rollout.engine=hf or hf_static or vllm"):
             load_config(None, ["--rollout.engine=colocated_only", "--rollout.workers=1"])
     finally:
         del ENGINES["colocated_only"]

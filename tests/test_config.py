@@ -179,9 +179,9 @@ def test_rollout_engine_names_a_registered_engine():
 
     from grpokit.rollout import ENGINES
 
-    assert {"hf", "vllm"} <= set(ENGINES)  # each registered by its own module
+    assert {"hf", "hf_static", "vllm"} <= set(ENGINES)  # each registered by its own module
     with pytest.raises(ConfigError, match=r"rollout.engine: unknown engine 'vlm' \(did you mean 'vllm'\?\); "
-                                          r"registered: hf, vllm"):
+                                          r"registered: hf, hf_static, vllm"):
         load_config(overrides=["--rollout.engine=vlm"])
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ConfigError, match=r"rollout.engine=vllm but vllm is not installed: .*make \.venv-vllm"):

@@ -23,6 +23,7 @@ from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rollout import Continuation, HFEngine, SamplingParams, ToolEngine, multi_turn_rollout
 from grpokit.rollout.multi_turn import round_seeds
+from grpokit.rollout.hf_static import StaticCacheDecoder, StaticCacheEngine
 from grpokit.tools import ToolOutput, make_tool, register_tool
 from grpokit.tools.python import PythonTool
 from grpokit.train.grpo import GRPOTrainer
@@ -420,10 +421,18 @@ def tool_model(tir_tokenizer):
     return model
 
 
-def test_hf_multi_turn_rollout_runs_the_program_and_masks_its_output(tool_model, tir_tokenizer):
+# Engines that sample from the policy itself: hf, and hf_static with its static-cache code forced on
+# this CPU (rollout/hf_static.py; on CPU it would otherwise sample as hf does).
+LOCAL_ENGINES = {"hf": HFEngine,
+                 "hf_static": lambda model, tok: StaticCacheEngine(model, tok, StaticCacheDecoder(static=True,
+                                                                                                  compile=False))}
+
+
+@pytest.mark.parametrize("engine", LOCAL_ENGINES)
+def test_hf_multi_turn_rollout_runs_the_program_and_masks_its_output(tool_model, tir_tokenizer, engine):
     tok = tir_tokenizer
-    result = multi_turn_rollout(HFEngine(tool_model, tok), tok, [PROGRAM[0]], 2, SamplingParams(80, temperature=0),
-                                PythonTool(timeout_s=10.0), max_tool_calls=2)
+    result = multi_turn_rollout(LOCAL_ENGINES[engine](tool_model, tok), tok, [PROGRAM[0]], 2,
+                                SamplingParams(80, temperature=0), PythonTool(timeout_s=10.0), max_tool_calls=2)
     rollout, before = result.rollout, len("```python\nprint(2+2)\n```\n```output")
     assert rollout.completions == [PROGRAM[1]] * 2
     assert result.stop_reasons == ["answer"] * 2 and result.tool_calls == [1, 1]
@@ -431,17 +440,21 @@ def test_hf_multi_turn_rollout_runs_the_program_and_masks_its_output(tool_model,
     n = len(PROGRAM[1]) + 1  # one token per character, then EOS
     assert rollout.sampled_mask[0].tolist() == [1] * before + [0] * 7 + [1] * (n - before - 7)
     assert rollout.completion_mask[0].sum() == n and rollout.completion_ids[0, n - 1] == tok.eos_token_id
+    if engine == "hf_static":  # the sampler's log-probs on the sampled tokens, 0 on the tool's output
+        logp = rollout.sampling_logp[0, :n]
+        assert (logp[rollout.sampled_mask[0, :n].bool()] < 0).all() and (logp[before : before + 7] == 0).all()
 
 
-def test_hf_multi_turn_rollout_with_the_calculator_and_a_training_step(tool_model, tir_tokenizer, tmp_path):
+@pytest.mark.parametrize("engine", LOCAL_ENGINES)
+def test_hf_multi_turn_rollout_with_the_calculator_and_a_training_step(tool_model, tir_tokenizer, tmp_path, engine):
     tok = tir_tokenizer
-    result = multi_turn_rollout(HFEngine(tool_model, tok), tok, [CALCULATION[0]], 1, SamplingParams(40, temperature=0),
-                                make_tool("calculator"), max_tool_calls=2)
+    result = multi_turn_rollout(LOCAL_ENGINES[engine](tool_model, tok), tok, [CALCULATION[0]], 1,
+                                SamplingParams(40, temperature=0), make_tool("calculator"), max_tool_calls=2)
     assert result.rollout.completions == [CALCULATION[1]]
     assert result.rollout.sampled_mask[0].tolist()[:10] == [1] * 7 + [0] * 3  # "<<6*7>>" then "=42" from the tool
     # the training loop runs on the same rollouts unchanged: ToolEngine is its engine
     model = copy.deepcopy(tool_model)
-    engine = ToolEngine(HFEngine(model, tok), tok, Calculator(), max_tool_calls=2)
+    engine = ToolEngine(LOCAL_ENGINES[engine](model, tok), tok, Calculator(), max_tool_calls=2)
     trainer = make_trainer(model, tok, tmp_path, max_completion_length=40, loss_aggregation="token")
     trainer.engine, trainer.dataset = engine, [{"prompt": CALCULATION[0]}]
     record = trainer.step()

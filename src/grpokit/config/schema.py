@@ -456,8 +456,9 @@ class IterativeConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "what samples completions, by registered name: hf (transformers' generate) or vllm "
-                                              "(a colocated vLLM engine, synced after every optimizer step)")
+    engine: str = opt("hf", "what samples completions, by registered name: hf (transformers' generate), hf_static "
+                            "(generate with a static KV cache and a compiled decode step: CUDA graphs; plain "
+                            "generate on CPU) or vllm (a colocated vLLM engine, synced after every optimizer step)")
     kv_cache_gb: Optional[float] = opt(None, "vllm: memory its KV cache may take, in GiB; unset = on CUDA what "
                                              "gpu_memory_utilization leaves after the weights, on CPU 1 GiB")
     gpu_memory_utilization: float = opt(0.5, "vllm on CUDA: the fraction of GPU memory vLLM may take (weights + KV "
@@ -575,6 +576,8 @@ class RolloutConfig:
             able = " or ".join(sorted(name for name, other in ENGINES.items() if other.runs_in_worker))
             yield (f"rollout.engine={self.engine} cannot run in a rollout worker (rollout.workers={self.workers}): "
                    f"use rollout.engine={able}, or rollout.workers=0 with rollout.mode=sync")
+        if spec.check is not None:  # the engine's own rules (a library version it needs, ...)
+            yield from spec.check(self)
         if self.tensor_parallel_size > 1 and not spec.tensor_parallel:
             tp_engines = " or ".join(sorted(name for name, other in ENGINES.items() if other.tensor_parallel))
             yield (f"rollout.tensor_parallel_size={self.tensor_parallel_size} applies to rollout.engine={tp_engines} "

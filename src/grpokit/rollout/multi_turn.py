@@ -280,8 +280,10 @@ class ToolEngine:
         return self.last.rollout
 
     def rollout_metrics(self) -> dict[str, float]:
-        """The last batch's tool/* numbers (ToolRollout.metrics), which the training loop logs."""
-        return self.last.metrics() if self.last is not None else {}
+        """The last batch's tool/* numbers (ToolRollout.metrics), which the training loop logs, and
+        what the wrapped engine reports of itself (hf_static: its compilations)."""
+        inner = getattr(self.engine, "rollout_metrics", None)
+        return {**(inner() if inner is not None else {}), **(self.last.metrics() if self.last is not None else {})}
 
     def failure(self) -> str:
         """What failed the last batch's failed samples, in words, for the message that stops a run."""

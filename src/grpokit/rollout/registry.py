@@ -6,7 +6,8 @@ update, and the engine wants the run's longest prompt + completion and the direc
 was loaded from), the optional package it needs, and how to install that package. Adding an
 engine is one module in grpokit.rollout (every module of the package is imported with it):
 
-    @register_engine("my_engine", copies_weights=True, package="my_lib", install="pip install my_lib")
+    @register_engine("my_engine", copies_weights=True, package="my_lib", install="pip install my_lib",
+                     check=lambda rollout_config: [])  # its own config problems, one line each
     def build(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> RolloutEngine: ...
 """
 
@@ -26,15 +27,18 @@ class EngineSpec:
     install: str = ""  # what to run when `package` is missing
     tensor_parallel: bool = False  # rollout.tensor_parallel_size > 1 means something to it
     runs_in_worker: bool = False  # it can be built in a rollout worker process (rollout.workers, rollout/worker.py)
+    # check(rollout_config) -> the engine's own config problems (one line each: the key, the fix), or None
+    check: Callable | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {}
 
 
 def register_engine(name: str, *, copies_weights: bool, package: str | None = None, install: str = "",
-                    tensor_parallel: bool = False, runs_in_worker: bool = False):
+                    tensor_parallel: bool = False, runs_in_worker: bool = False, check: Callable | None = None):
     def decorate(build):
-        ENGINES[name] = EngineSpec(name, build, copies_weights, package, install, tensor_parallel, runs_in_worker)
+        ENGINES[name] = EngineSpec(name, build, copies_weights, package, install, tensor_parallel, runs_in_worker,
+                                   check)
         return build
     return decorate
 

@@ -4,6 +4,7 @@ truncation flags."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ def sample_groups(
     num_generations: int,
     params: SamplingParams,
     rows: list[dict] | None = None,
+    decode: Decode | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt.
 
@@ -113,6 +115,8 @@ def sample_groups(
     rows p*G .. p*G+G-1. Prompts are left-padded so all completions start at one column.
     With params.stop, a completion ends right after the first stop string it contains (kept
     in the text, the last token under the mask) and is not counted as truncated.
+    decode: how each batch is generated (default: plain `generate`); the Rollout's
+    sampling_logp holds the log-probs it reports, where it does.
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -126,18 +130,21 @@ def sample_groups(
         tokenizer.padding_side = saved_side
     prompt_ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)
     prompt_mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)
-    completion_ids, completion_mask, truncated = sample_ids(model, tokenizer, prompt_ids, prompt_mask, params)
+    completion_ids, completion_mask, truncated, logp = sample_ids(model, tokenizer, prompt_ids, prompt_mask, params,
+                                                                 decode)
     return assemble_rollout(tokenizer, prompts, num_generations, prompt_ids, prompt_mask, completion_ids,
-                            completion_mask, truncated, rows)
+                            completion_mask, truncated, rows, logp)
 
 
 @torch.no_grad()
 @in_compute_dtype
 def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               params: SamplingParams, decode: Decode | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One completion per row of the left-padded prompt_ids [N, P] (prompt_mask 1 on real tokens):
     (completion_ids [N, T], completion_mask [N, T] through the first EOS or the token completing
-    the first of params.stop, truncated [N] where neither came within params.max_new_tokens)."""
+    the first of params.stop, truncated [N] where neither came within params.max_new_tokens,
+    logp [N, T]: each sampled token's log-prob as `decode` reports it, float32, or None)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -157,7 +164,8 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
     stop_kwargs = {"tokenizer": tokenizer} if params.stop else {}
     if params.stop:
         _check_stop_strings(tokenizer, params.stop)
-    chunks = []
+    decode = decode or plain_generate
+    chunks, logps = [], []
     # A sharded (FSDP2) policy is gathered once for the whole call (each process must make the
     # same number of calls), so the decoding forwards run no collectives: transformers' synced_gpus
     # (on by default for FSDP, one all_reduce per token) is off, and each process decodes alone.
@@ -165,18 +173,21 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
         for start in range(0, prompt_ids.shape[0], params.batch_size):
             ids = prompt_ids[start : start + params.batch_size].to(device)
             mask = prompt_mask[start : start + params.batch_size].to(device)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                 **({"synced_gpus": False} if gathered else {}), **stop_kwargs)
-            chunks.append(out[:, ids.shape[1] :].cpu())
+            new_ids, logp = decode(model, ids, mask, gen_config,
+                                   **({"synced_gpus": False} if gathered else {}), **stop_kwargs)
+            chunks.append(new_ids.cpu())
+            logps.append(None if logp is None else logp.float().cpu())
     if was_training:
         model.train()
     if not chunks:  # no rows here: the process took part in the gather only (multi-turn lockstep)
         empty = torch.zeros((0, 0), dtype=torch.long)
-        return empty, empty.clone(), torch.zeros(0, dtype=torch.bool)
+        return empty, empty.clone(), torch.zeros(0, dtype=torch.bool), None
     width = max(c.shape[1] for c in chunks)
     completion_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     )
+    logp = None if any(part is None for part in logps) else torch.cat(
+        [torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in logps])
     completion_mask, truncated = completion_mask_and_truncation(completion_ids, eos_ids)
     if params.stop:
         longest = max(len(s) for s in params.stop)  # tokens other than special ones hold a character or more
@@ -187,7 +198,20 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
             if cut is not None:
                 completion_mask[row, cut:] = 0
                 truncated[row] = False
-    return completion_ids, completion_mask, truncated
+    return completion_ids, completion_mask, truncated, None if logp is None else logp * completion_mask
+
+
+# How a batch of left-padded prompts is generated: decode(model, ids [n, P], mask [n, P], generation_config,
+# **generate_kwargs) -> (the new ids [n, T], each one's log-prob under the distribution it was drawn from [n, T]
+# or None). The default is plain `generate`; rollout/hf_static.py decodes with a static KV cache.
+Decode = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def plain_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, gen_config: GenerationConfig,
+                   **generate_kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' `generate` as it comes (a dynamic KV cache); it reports no log-probs."""
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, **generate_kwargs)
+    return out[:, ids.shape[1] :], None
 
 
 @dataclass(frozen=True)
@@ -214,26 +238,29 @@ def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, t
 
 
 def continue_ids(model: torch.nn.Module, tokenizer, contexts: list[list[int]], budgets: list[int],
-                 params: SamplingParams) -> list[Continuation]:
+                 params: SamplingParams, decode: Decode | None = None) -> list[Continuation]:
     """One continuation of each token-id context, sampled on the ids as they are (never
-    re-tokenised), of at most budgets[i] tokens (params.max_new_tokens is not read)."""
+    re-tokenised), of at most budgets[i] tokens (params.max_new_tokens is not read); with the
+    sampled ids' log-probs where `decode` reports them."""
     if len(budgets) != len(contexts) or min(budgets, default=1) < 1:
         raise ValueError(f"continue_ids needs one budget >= 1 per context, got {budgets} for {len(contexts)} contexts")
     if not contexts:  # a sharded policy is still gathered: every process makes the same calls
         sample_ids(model, tokenizer, torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
-                   params)
+                   params, decode)
         return []
     ids, mask = left_padded(contexts, tokenizer.pad_token_id)
-    completion_ids, completion_mask, truncated = sample_ids(
-        model, tokenizer, ids, mask, dataclasses.replace(params, max_new_tokens=max(budgets)))
+    completion_ids, completion_mask, truncated, logp = sample_ids(
+        model, tokenizer, ids, mask, dataclasses.replace(params, max_new_tokens=max(budgets)), decode)
     eos_ids = set(_eos_ids(model, tokenizer))
     out = []
     for row, budget in enumerate(budgets):
-        sampled = completion_ids[row][completion_mask[row].bool()].tolist()
+        kept = completion_mask[row].bool()
+        sampled = completion_ids[row][kept].tolist()
+        row_logp = None if logp is None else logp[row][kept].tolist()
         if len(sampled) > budget or truncated[row]:
-            out.append(Continuation(sampled[:budget], "length"))
+            out.append(Continuation(sampled[:budget], "length", None if row_logp is None else row_logp[:budget]))
         else:
-            out.append(Continuation(sampled, "eos" if sampled and sampled[-1] in eos_ids else "stop"))
+            out.append(Continuation(sampled, "eos" if sampled and sampled[-1] in eos_ids else "stop", row_logp))
     return out
 
 
