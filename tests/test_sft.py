@@ -261,3 +261,31 @@ def test_sft_masks_tool_output_by_default_and_the_key_keeps_the_old_behaviour():
     spans = _demonstration_tool_spans(load_config(None, []))
     assert spans("```output\n4\n```\nA: 4") == [(9, 16)]
     assert _demonstration_tool_spans(load_config(None, ["--sft.mask_tool_output=false"])) is None
+
+
+def test_sft_with_lora_trains_adapters_over_a_saved_model_and_the_tiny_model_whole(tmp_path):
+    """model.lora.r > 0: `grpokit sft` of a model directory trains LoRA adapters over the frozen base
+    and saves the adapter, which loads with its base (merged); the built-in tiny model, random and
+    without files to load an adapter with, trains whole as before."""
+    from safetensors.torch import load_file
+
+    from grpokit.checkpoint import save_checkpoint
+    from grpokit.models import build_char_tokenizer, load_model_and_tokenizer
+    from run_helpers import cli
+
+    tok = build_char_tokenizer(arithmetic.TIR_ALPHABET)
+    base_dir = save_checkpoint(build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                               tok, tmp_path / "base")
+    run = ["--model.lora.r=4", "--model.lora.alpha=8", "--sft.max_steps=2", "--sft.batch_size=8",
+           "--num_sft_examples=16", "--sft.warmup_steps=0", "--quiet"]
+    proc = cli("sft", f"--model.name_or_path={base_dir}", f"--output_dir={tmp_path / 'lora'}", *run)
+    assert "trainable of" in proc.stdout and "(LoRA adapters; the base is frozen)" in proc.stdout
+    saved = tmp_path / "lora" / "checkpoints" / "sft"
+    assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
+    merged, _ = load_model_and_tokenizer(str(saved), dtype="fp32", device="cpu")
+    base = load_file(base_dir / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base)  # the adapter learnt
+    proc = cli("sft", "--model.tiny.hidden_size=32", "--model.tiny.num_layers=1", "--model.tiny.num_heads=2",
+               "--model.tiny.intermediate_size=64", f"--output_dir={tmp_path / 'tiny'}", *run)
+    assert "all trainable" in proc.stdout
+    assert (tmp_path / "tiny" / "checkpoints" / "sft" / "model.safetensors").is_file()

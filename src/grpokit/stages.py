@@ -116,10 +116,15 @@ def run_sft(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> P
                           f"processes (the world size): make it a multiple of {distributed.world_size()}")
     with run_lock(config.output_dir, run_dir_mode):
         run_dir = start_run(config, write=distributed.is_main())
-        model, tokenizer = load_policy(config)
-        print(f"{model.config.model_type}: {parameter_counts(model)}; {describe_precision(model)}")
+        # As in RL: adapters over a frozen base (compute dtype). The built-in tiny model is random and
+        # has no files an adapter could load with: it trains whole, as pi_SFT for LoRA RL (the demo).
+        lora = config.model.lora.r > 0 and bool(config.model.name_or_path)
+        model, tokenizer = load_policy(config, trainable=not lora)
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora:  # the checkpoint holds the adapter, which loads with its base (model.name_or_path)
+            model = apply_lora(model, config.model.lora)
+        print(f"{model.config.model_type}: {parameter_counts(model)}; {describe_precision(model)}")
         if world_sharding(config.distributed.fsdp):
             shard_model(model)
         demos = _limit_prompts(task_for(config).data(tokenizer).sft, config, tokenizer)

@@ -51,7 +51,11 @@ def use_end_of_turn_eos(model, tokenizer, name: str, eos_token: str = "", chat_t
     """Make the token that ends a completion the tokenizer's EOS and generation_config's first EOS id:
     `eos_token` (model.eos_token) when set; else, when prompts use the chat template (`chat_template`
     is not "off" and the tokenizer has one), the template's end-of-turn token, a NoEndOfTurnToken
-    naming model.eos_token when there is none; else the tokenizer's EOS as it is."""
+    naming model.eos_token when there is none; else the tokenizer's EOS as it is. `chat_template` "on"
+    for a tokenizer without a template is a ConfigError naming data.chat_template."""
+    if chat_template == "on" and not getattr(tokenizer, "chat_template", None):  # before any prompt is rendered
+        raise ConfigError(f"data.chat_template=on but the tokenizer of {name} has no chat template: set "
+                          "data.chat_template=auto (plain text for a tokenizer without one) or off")
     if eos_token:
         if single_token_id(tokenizer, eos_token) is None:
             raise ConfigError(f"{EOS_KEY}={eos_token!r} is not a single token of {name}'s tokenizer: set it to a "
