@@ -19,7 +19,7 @@ from grpokit.distributed import PeerFailure
 from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
 from grpokit.models.loading import ModelNotFound, check_model_config
 from grpokit.rewards.registry import reward_names
-from grpokit.rollout.engine import WeightSyncError
+from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.rundir import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, default_run_dir, latest_default_run_dir
 from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
 from grpokit.tasks.registry import task_names
@@ -260,7 +260,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
             RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable,
-            WeightSyncError, RolloutWorkerError)
+            WeightSyncError, RolloutWorkerError, RolloutEngineError)
 
 
 def _run(args, config) -> int:

@@ -56,7 +56,7 @@ from grpokit.models.loading import (
     local_weights_dir,
 )
 from grpokit.progress import progress as progress_bar
-from grpokit.rollout import SamplingParams, engine_spec, make_engine
+from grpokit.rollout import RolloutEngineError, SamplingParams, engine_spec, make_engine
 from grpokit.rundir import RUN_CONFIG
 from grpokit.sandbox import namespaces_available
 from grpokit.tasks import Task, task_for
@@ -268,7 +268,12 @@ def run_evaluation(model: str, data: Sequence[str], out_dir: str, modes: Sequenc
                               desc=f"{bench.name} {MODE_TITLES[mode]}", enabled=progress) as bar:
                 for first in range(0, len(todo), settings.batch_size):
                     chunk = todo[first : first + settings.batch_size]
-                    records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings, task)
+                    try:
+                        records = evaluate_chunk(bench, chunk, mode, engine, tokenizer, settings, timings, task)
+                    except RolloutEngineError as err:  # what is written stays; a rerun answers only the rest
+                        raise RolloutEngineError(
+                            f"{err}. {len(done)} of {len(bench)} {bench.name} questions ({mode}) are answered in "
+                            f"{path}: rerun the same command to continue from there") from None
                     _append(path, records)
                     done.update((r["index"], r) for r in records)
                     bar.update(len(chunk))

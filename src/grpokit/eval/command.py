@@ -22,7 +22,7 @@ from grpokit.models.loading import (
     ModelNotFound,
     resolve_device,
 )
-from grpokit.rollout import ENGINES
+from grpokit.rollout import ENGINES, RolloutEngineError
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report_markdown(results))
         print(f"wrote {Path(args.output_dir) / RESULTS}, {REPORT} and the completions files")
         return 0
-    except (DatasetError, EvalError, CheckpointError, ModelNotFound, DeviceUnavailable) as err:
+    except (DatasetError, EvalError, CheckpointError, ModelNotFound, DeviceUnavailable, RolloutEngineError) as err:
         print(f"grpokit: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

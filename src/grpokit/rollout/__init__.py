@@ -8,7 +8,8 @@ import importlib as _importlib
 import pkgutil as _pkgutil
 
 from grpokit.rollout.engine import (HFEngine, RolloutEngine, longest_prompt_tokens, make_engine, max_model_len,
-                                   request_seeds, run_max_model_len, WeightSyncError)
+                                   request_seeds, run_max_model_len, RolloutEngineError,
+                                   WeightSyncError)
 from grpokit.rollout.logprobs import position_ids_for, token_logprobs
 from grpokit.rollout.multi_turn import ToolEngine, ToolRollout, multi_turn_rollout
 from grpokit.rollout.registry import ENGINES, engine_spec, register_engine
@@ -19,4 +20,4 @@ for _module in _pkgutil.iter_modules(__path__):  # engine registrations, one mod
 
 __all__ = ["Continuation", "ENGINES", "engine_spec", "register_engine", "HFEngine", "RolloutEngine", "SamplingParams", "longest_prompt_tokens", "make_engine", "max_model_len",
            "position_ids_for", "request_seeds", "run_max_model_len", "sample_groups", "token_logprobs",
-           "ToolEngine", "ToolRollout", "multi_turn_rollout", "WeightSyncError"]
+           "ToolEngine", "ToolRollout", "multi_turn_rollout", "RolloutEngineError", "WeightSyncError"]

@@ -43,6 +43,11 @@ class WeightSyncError(RuntimeError):
     """The engine does not hold the weights just pushed to it (its sync probe disagrees)."""
 
 
+class RolloutEngineError(RuntimeError):
+    """The rollout engine's own library raised while sampling; the message names the engine and
+    the library's error in one line (the trainer adds the step and where to resume from)."""
+
+
 class HFEngine:
     """transformers' generate on the policy itself: sampling always sees the current weights,
     so a sync only re-points the engine. Draws from torch's global RNG (per-request seeds are

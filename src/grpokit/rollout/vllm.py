@@ -24,7 +24,12 @@ and dropped before the next; never the whole model at once, never through host m
 
 Determinism: every completion is its own vLLM request with its own seed (one per
 completion, passed by the caller), so a completion does not depend on which other
-prompts share the batch.
+prompts share the batch. On CPU the engine runs without chunked prefill: when vLLM splits a
+prompt's prefill across steps it throws away the token sampled after a partial prefill and rewinds
+that request's generator with Generator.set_offset, which only CUDA generators have (vLLM's CPU
+build raised "CPU Generator does not use offset" once a batch's prompt tokens passed
+max_num_batched_tokens, 4096 on CPU: 8 prompts x 8 samples of 104 tokens did). Whole prefills
+draw nothing they throw away, so a seed gives the same completion in any batch.
 
 GPU memory (CUDA only): with enable_sleep_mode=True, `release_memory` puts the engine to
 sleep between rollouts and the update, so training can use that memory; it wakes its
@@ -61,7 +66,7 @@ from torch.distributed.tensor import DTensor
 
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
-from grpokit.rollout.engine import WeightSyncError
+from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.rollout.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
@@ -184,6 +189,8 @@ class VLLMEngine:
             seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
+            # CPU: whole prefills, as per-request seeds need there (module docstring); None: vLLM's default
+            enable_chunked_prefill=False if self._on_cpu else None,
             enforce_eager=self._on_cpu if enforce_eager is None else enforce_eager,
             # Log-probs after temperature/top_p: those of the distribution actually sampled.
             logprobs_mode="processed_logprobs",
@@ -295,10 +302,13 @@ class VLLMEngine:
         if not requests:  # this process (and its group) has nothing left to continue this round
             return []
         self._wake(("weights", "kv_cache"))
-        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=ids) for ids in requests],
-                                    sampling_params=[self._request_params(params, seed, m)
-                                                     for seed, m in zip(seeds, max_tokens, strict=True)],
-                                    use_tqdm=False)
+        prompts = [self._TokensPrompt(prompt_token_ids=ids) for ids in requests]
+        request_params = [self._request_params(params, seed, m) for seed, m in zip(seeds, max_tokens, strict=True)]
+        try:
+            outputs = self.llm.generate(prompts, sampling_params=request_params, use_tqdm=False)
+        except Exception as err:  # vLLM's own failure: one line for the user, the traceback kept as the cause
+            raise RolloutEngineError(f"the vLLM engine failed while sampling {len(requests)} requests "
+                                     f"({type(err).__name__}: {_first_line(err)})") from err
         return [out.outputs[0] for out in outputs[mine]]
 
     def _request_params(self, params: SamplingParams, seed: int | None, max_tokens: int):
@@ -620,6 +630,11 @@ def _repack_cpu_shared_weights(worker) -> int:
             method.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of an exception's message, at most 300 characters."""
+    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:

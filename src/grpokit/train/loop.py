@@ -44,7 +44,8 @@ from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.learned import ProcessRewardModel
 from grpokit.rewards.process import is_process_reward
 from grpokit.rewards.scoring import row_columns
-from grpokit.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSyncError, request_seeds, token_logprobs
+from grpokit.rollout import (HFEngine, RolloutEngine, RolloutEngineError, SamplingParams, WeightSyncError,
+                             request_seeds, token_logprobs)
 from grpokit.rollout.logprobs import attended_ends
 from grpokit.rollout.remote import RemoteRollouts
 from grpokit.rollout.schedule import batches_ready, sampling_version
@@ -241,11 +242,11 @@ class Trainer:
         return history
 
     def _naming_worker_failures(self, call):
-        """call(); a rollout worker's failure stops the run saying where it can resume from."""
+        """call(); a rollout worker's or the engine's failure stops the run saying where it can resume from."""
         try:
             return call()
-        except RolloutWorkerError as err:
-            raise RolloutWorkerError(
+        except (RolloutWorkerError, RolloutEngineError) as err:
+            raise type(err)(
                 f"step {self.global_step + 1}: {err}. Last checkpoint: {self.checkpoints.latest() or 'none yet'}; "
                 f"resume with: grpokit train {self.run_dir / 'config.yaml'} --resume") from None
 
