@@ -5,9 +5,16 @@ number of rows is too many at long lengths and too few at short ones. Rows are t
 length (each micro-batch is cut to its longest row, so short rows travel with short rows) and
 grouped greedily under both the token budget and an optional cap on rows. How a batch is cut
 changes only memory, never the result: every loss divides by the whole batch's count.
+
+Packed micro-batches (SFT's and, with grpo.pack_rows, RL's) put several short examples in one
+row instead: each example keeps its own positions, restarting at 0, and no attention_mask is
+passed, so transformers builds the block-diagonal causal mask from the positions (a model that
+ignores them leaks across examples: train/sft.py, packing_matches_padding, checks for that).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,3 +91,161 @@ def attended_ends(attention_mask: torch.Tensor) -> torch.Tensor:
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that ignore left padding, matching what `generate` uses while sampling."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pack_rows(lengths: list[int], width: int | None = None) -> list[list[int]]:
+    """First-fit decreasing: example indices grouped into rows no longer than `width` (default:
+    the longest example).
+
+    Rows come in order of their first (longest) example; within a row, longest first. The
+    result depends only on the lengths, so a batch always packs the same way; and packing the
+    examples of some of its rows again, at the same width and in the same relative order, gives
+    back exactly those rows (each example meets the same rows, equally full, as it did first)."""
+    width = max(lengths) if width is None else width
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def packed_lengths(attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """[N] tokens each row contributes to a packed forward: its attended tokens, or 0 for a row
+    with no attended completion token (it has nothing to predict, so it is not computed)."""
+    has_completion = attention_mask[:, prompt_length:].bool().any(dim=1)
+    return attention_mask.bool().sum(dim=1) * has_completion
+
+
+def packed_micro_batches(lengths: torch.Tensor, max_tokens: int | None, max_rows: int | None = None,
+                         key: str = "max_tokens_per_micro_batch", lockstep: bool = False,
+                         width: int | None = None) -> list[list[list[int]]]:
+    """Micro-batches of packed rows: each a list of rows, each row a list of example indices
+    (into `lengths`, [N] tokens per example; examples of length 0 are left out).
+
+    Examples are packed first-fit decreasing into rows of `width` tokens (default: the longest
+    example), then the rows are grouped as split_by_tokens groups rows, by their filled length:
+    at most `max_rows` packed rows and `max_tokens` tokens (rows x the fullest row) each."""
+    values = lengths.detach().to("cpu", torch.long)
+    kept = values.nonzero().flatten().tolist()
+    if not kept:
+        return []
+    kept_lengths = [int(values[i]) for i in kept]
+    rows = [[kept[j] for j in row] for row in pack_rows(kept_lengths, width)]
+    fills = torch.tensor([sum(int(values[i]) for i in row) for row in rows])
+    groups = split_by_tokens(fills, max_tokens, max_rows, key, lockstep)
+    return [[rows[r] for r in group.tolist()] for group in groups]
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """One packed forward's inputs and where its outputs go.
+
+    input_ids, position_ids: [R, W] packed rows (positions restart at 0 for each example and
+    for the padding that ends a row); select: [R, W - 1] True at the columns whose next token is
+    a completion token; targets: [R, W - 1] that next token; destination: [R, W - 1] the flat
+    index (row x T + completion column) of the predicted token in the padded [N, T] layout."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    select: torch.Tensor
+    targets: torch.Tensor
+    destination: torch.Tensor
+    real_tokens: int
+
+
+def packed_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                  rows: list[list[int]], pad_id: int = 0) -> PackedInputs:
+    """The packed forward of `rows` (packed_micro_batches' lists of example indices) of a padded
+    batch, input_ids and attention_mask [N, P + T] with completions from column P. Each example
+    brings its attended tokens in order, so column c of the packed row sees what the attended
+    columns before it saw in the padded row, at the same positions (position_ids_for)."""
+    mask = attention_mask.bool().cpu()
+    ids_cpu = input_ids.cpu()
+    completion_width = input_ids.shape[1] - prompt_length
+    columns = [[mask[i].nonzero().flatten() for i in row] for row in rows]
+    width = max(sum(len(c) for c in row) for row in columns)
+    ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    destination = torch.full((len(rows), width), -1, dtype=torch.long)
+    real = 0
+    for r, (row, row_columns) in enumerate(zip(rows, columns)):
+        offset = 0
+        for i, cols in zip(row, row_columns):
+            n = len(cols)
+            ids[r, offset : offset + n] = ids_cpu[i, cols]
+            positions[r, offset : offset + n] = torch.arange(n)
+            # the token at packed column offset + k is predicted by column offset + k - 1
+            completion = (cols >= prompt_length).nonzero().flatten()
+            completion = completion[completion > 0]  # a first token has nothing before it to predict it
+            destination[r, offset + completion - 1] = i * completion_width + cols[completion] - prompt_length
+            offset += n
+        real += offset
+        positions[r, offset:] = torch.arange(width - offset)
+    destination = destination[:, :-1]
+    device = input_ids.device
+    return PackedInputs(ids.to(device), positions.to(device), (destination >= 0).to(device),
+                        ids[:, 1:].to(device), destination.to(device), real)
+
+
+@dataclass
+class ComputedTokens:
+    """Tokens the forward passes computed, and how many of them were real (not padding)."""
+
+    computed: int = 0
+    real: int = 0
+
+    def add(self, computed: int, real: int) -> None:
+        self.computed += int(computed)
+        self.real += int(real)
+
+    @property
+    def padding_frac(self) -> float:
+        """The share of computed tokens that were padding (0 when nothing was computed)."""
+        return 1.0 - self.real / self.computed if self.computed else 0.0
+
+
+@dataclass
+class RowLayout:
+    """How one RL step's forward passes lay out its rows, and what they computed.
+
+    pack: rows share packed rows of `width` tokens (the batch's longest row, so packing any
+    micro-batch's rows again gives back the same packed rows), else one padded row each.
+    computed: the tokens every forward computed and how many were real (perf/padding_frac)."""
+
+    pack: bool = False
+    width: int | None = None
+    computed: ComputedTokens = field(default_factory=ComputedTokens)
+
+    @classmethod
+    def of(cls, pack: bool, attention_mask: torch.Tensor, prompt_length: int) -> RowLayout:
+        width = int(packed_lengths(attention_mask, prompt_length).max()) if pack else None
+        return cls(pack, width or None)
+
+    def row_lengths(self, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
+        """[N] tokens each row's forward needs: packed, its attended tokens (0: none needed);
+        padded, its columns through its last attended token (a micro-batch is cut to its longest)."""
+        if self.pack:
+            return packed_lengths(attention_mask, prompt_length)
+        return attended_ends(attention_mask).clamp(min=prompt_length + 1)
+
+    def micro_batches(self, lengths: torch.Tensor, max_tokens: int | None, max_rows: int | None, key: str,
+                      lockstep: bool = False) -> list[torch.Tensor]:
+        """Row indices (into `lengths`, row_lengths of some rows) of each micro-batch. Packed: the
+        rows of whole packed rows of `width`, at most `max_rows` packed rows and `max_tokens`
+        tokens each, in increasing index order (rows needing no tokens are left out); padded:
+        split_by_tokens."""
+        if not self.pack:
+            return split_by_tokens(lengths, max_tokens, max_rows, key, lockstep)
+        groups = packed_micro_batches(lengths, max_tokens, max_rows, key, lockstep, self.width)
+        return [torch.tensor(sorted(i for row in group for i in row), dtype=torch.long) for group in groups]
+
+    def forward_options(self) -> dict:
+        """token_logprobs' and token_values' keyword arguments for this layout."""
+        return {"pack": self.pack, "pack_width": self.width, "counter": self.computed}

@@ -10,7 +10,7 @@ from grpokit.errors import ConfigError
 # Keys a resumed run may change without changing what it computes; any other difference is refused.
 RESUME_SAFE_KEYS = (
     "output_dir", "grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.micro_batch_size",
-    "grpo.max_tokens_per_micro_batch", "grpo.generation_batch_size", "grpo.max_failed_steps",
+    "grpo.max_tokens_per_micro_batch", "grpo.pack_rows", "grpo.generation_batch_size", "grpo.max_failed_steps",
     "grpo.max_nonfinite_steps", "sft.max_tokens_per_micro_batch", "model.device",
     "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
     "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.enforce_eager", "distributed.timeout_s",

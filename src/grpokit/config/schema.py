@@ -283,6 +283,10 @@ class GRPOConfig:
         16384, "most tokens (rows x the micro-batch's padded width) per forward pass, log-probs and updates "
                "alike; bounds activation memory, not results. 16384 (16 rows of 1k) fits a 7B policy on an "
                "80 GB GPU with model.gradient_checkpointing; must be >= the longest prompt + completion")
+    pack_rows: Literal["auto", "on", "off"] = opt(
+        "auto", "log-prob passes and updates pack several samples into one row (each with its own positions) "
+                "instead of padding one per row: auto = when the policy keeps packed samples apart (checked on the "
+                "first batch), on = always (a policy whose attention leaks is an error), off = pad")
     generation_batch_size: int = opt(512, "completions per generate call")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
     warmup_steps: int = opt(20, "linear warm-up steps (lets Adam see the gradient noise before full-size steps)")

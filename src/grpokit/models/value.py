@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.micro_batches import attended_ends, position_ids_for, split_by_tokens
+from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs, packed_lengths,
+                                   packed_micro_batches, position_ids_for, split_by_tokens)
 from grpokit.models.lora import is_lora, merged_state_dict
 from grpokit.models.precision import compute_dtype, in_compute_dtype, set_compute_dtype
 from grpokit.models.sharding import full_state_dict, is_sharded
@@ -69,13 +70,21 @@ def token_values(
     micro_batch_size: int = 32,
     max_tokens: int | None = None,
     budget_key: str = "max_tokens",
+    pack: bool = False,
+    pack_width: int | None = None,
+    counter: ComputedTokens | None = None,
 ) -> torch.Tensor:
     """V(s_t) for each completion token t: the value of the state just before o_t is chosen,
     read at the same column as the logit that predicts o_t. [N, P + T] -> [N, T], float32.
 
     Micro-batches as in token_logprobs: rows of similar length, at most `micro_batch_size` of
-    them and `max_tokens` tokens, each cut to its longest row; 0 past a row's last attended token."""
+    them and `max_tokens` tokens, each cut to its longest row; 0 past a row's last attended token.
+    With `pack`, packed rows as token_logprobs packs them (0 wherever attention_mask is 0);
+    `counter` adds up the tokens computed and how many were real."""
     device = next(critic.parameters()).device
+    if pack and not attention_mask.is_meta:
+        return _packed_token_values(critic, input_ids, attention_mask, prompt_length, micro_batch_size, max_tokens,
+                                    budget_key, pack_width, counter)
     ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
     groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=is_sharded(critic))
     if len(groups) == 1:
@@ -85,6 +94,8 @@ def token_values(
         width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
         ids = input_ids[rows.to(input_ids.device), :width].to(device)
         mask = attention_mask[rows.to(attention_mask.device), :width].to(device)
+        if counter is not None and not mask.is_meta:
+            counter.add(mask.numel(), packed_lengths(mask, prompt_length).sum())  # tokens a row needs
         logits = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask)).logits
         values = logits[:, prompt_length - 1 : -1, 0].float()
         out.append(torch.nn.functional.pad(values, (0, input_ids.shape[1] - width)))
@@ -92,3 +103,28 @@ def token_values(
     if len(groups) > 1:
         values = values[torch.cat(groups).argsort().to(values.device)]
     return values
+
+
+def _packed_token_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         prompt_length: int, micro_batch_size: int, max_tokens: int | None, budget_key: str,
+                         pack_width: int | None, counter: ComputedTokens | None) -> torch.Tensor:
+    """token_values over packed rows (micro_batches.packed_inputs), scattered back to [N, T]."""
+    device = next(critic.parameters()).device
+    n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
+    lengths = packed_lengths(attention_mask, prompt_length)
+    places, parts = [], []
+    for rows in packed_micro_batches(lengths, max_tokens, micro_batch_size, budget_key, is_sharded(critic),
+                                     pack_width):
+        packed = packed_inputs(input_ids, attention_mask, prompt_length, rows)
+        if counter is not None:
+            counter.add(packed.input_ids.numel(), packed.real_tokens)
+        select = packed.select.to(device)
+        # use_cache=False: with a cache, transformers builds a plain causal mask and packed samples see each other
+        logits = critic(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+                        use_cache=False).logits
+        parts.append(logits[:, :-1, 0][select].float())
+        places.append(packed.destination.to(device)[select])
+    values = torch.zeros(n * completion_length, device=device)
+    if places:
+        values = values.index_put((torch.cat(places),), torch.cat(parts))
+    return values.view(n, completion_length).masked_fill(~attention_mask[:, prompt_length:].to(device).bool(), 0.0)

@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpokit.micro_batches import attended_ends, position_ids_for, split_by_tokens
+from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs, packed_lengths,
+                                   packed_micro_batches, position_ids_for, split_by_tokens)
 from grpokit.models.precision import in_compute_dtype
 from grpokit.models.sharding import fsdp_root, is_sharded
 
@@ -68,6 +69,9 @@ def token_logprobs(
     chunk_size: int = 1024,
     max_tokens: int | None = None,
     budget_key: str = "max_tokens",
+    pack: bool = False,
+    pack_width: int | None = None,
+    counter: ComputedTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of input_ids[:, prompt_length:] given everything before them.
 
@@ -83,6 +87,13 @@ def token_logprobs(
     `micro_batch_size` rows and, with `max_tokens`, at most that many tokens (rows x its width;
     a longer row is an error naming `budget_key`). logp and entropy are 0 wherever
     attention_mask is 0.
+
+    With `pack`, rows are packed instead (micro_batches.packed_micro_batches): each row's attended
+    tokens, with their own positions, share packed rows of `pack_width` tokens (default: the
+    longest row) with other rows', and a micro-batch holds at most `micro_batch_size` packed rows
+    and `max_tokens` tokens. The model must keep packed examples apart (train/sft.py,
+    packing_matches_padding); then the result equals the padded one to float rounding. `counter`
+    adds up the tokens each forward computed and how many were real (perf/padding_frac).
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
@@ -94,6 +105,13 @@ def token_logprobs(
         raise ValueError(f"micro_batch_size={micro_batch_size} must be a positive number of rows")
     device = next(model.parameters()).device
     completion_length = input_ids.shape[1] - prompt_length
+    attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
+    if pack and not attention_mask.is_meta:
+        logp, entropy = _packed_token_logprobs(model, input_ids, attention_mask, prompt_length, temperature,
+                                               micro_batch_size, with_entropy, chunk_size, max_tokens, budget_key,
+                                               pack_width, counter)
+        logp = logp.view(-1, completion_length).masked_fill(~attended, 0.0)
+        return logp, entropy.view(-1, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
     split = backbone_and_head(model)
     tiled_root = _sharded_root_with_plain_head(model) if split is None else None
     # Length of each row up to its last attended token; rows are grouped in order of it.
@@ -107,6 +125,8 @@ def token_logprobs(
         width = input_ids.shape[1] if ends.is_meta else int(ends[rows].max())
         ids = input_ids[rows.to(input_ids.device), :width].to(device)
         mask = attention_mask[rows.to(attention_mask.device), :width].to(device)
+        if counter is not None and not mask.is_meta:
+            counter.add(mask.numel(), packed_lengths(mask, prompt_length).sum())  # tokens a row needs
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
         targets = ids[:, prompt_length:]
         if tiled_root is not None:  # sharded: the root's own forward, with its head applied in tiles
@@ -126,7 +146,6 @@ def token_logprobs(
         logps.append(logp)
         entropies.append(entropy)
     order = torch.cat(groups) if len(groups) > 1 else None
-    attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
     logp = _restore_rows(logps, order, completion_length).masked_fill(~attended, 0.0)
     entropy = _restore_rows(entropies, order, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
     return logp, entropy
@@ -143,21 +162,64 @@ def labelled_logprobs(model: torch.nn.Module, inputs: dict, labels: torch.Tensor
     `chunk_size`, as in token_logprobs: no [rows, L, vocab] logits of the whole micro-batch, and
     no float32 copy of them. Gradients flow when called outside torch.no_grad()."""
     targets = labels[:, 1:]
-    select = targets != ignore_index
+    return _selected_stats(model, inputs, targets, targets != ignore_index, 1.0, False, chunk_size)[0]
+
+
+def _selected_stats(model: torch.nn.Module, inputs: dict, targets: torch.Tensor, select: torch.Tensor,
+                    temperature: float, with_entropy: bool,
+                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([n] log-prob, [n] entropy or None) of targets[select], in row-major order: column c of the
+    forward predicts targets[:, c] (targets, select: [rows, L - 1]). Only the selected positions
+    reach the LM head, in tiles (labelled_logprobs, and token_logprobs' packed rows)."""
     flat_targets = targets[select].unsqueeze(0)
     split = backbone_and_head(model)
     if split is not None:
         decoder, head, softcap = split
         features = decoder(**inputs)[0][:, :-1][select].unsqueeze(0)
-        return _chunked_stats(head, softcap, features, flat_targets, 1.0, False, chunk_size)[0][0]
-    root = _sharded_root_with_plain_head(model)
-    if root is not None:  # sharded: the root's own forward, with its head applied in tiles
-        logp, _ = _tiled_forward(model, root, inputs, flat_targets, 1.0, False, chunk_size,
-                                 select=select, keep=labels.shape[1])
-        return logp[0]
-    # Any other model computes its own logits; only the labelled ones go through the tiles.
-    logits = model(**inputs).logits[:, :-1][select].unsqueeze(0)
-    return _chunked_stats(_identity, None, logits, flat_targets, 1.0, False, chunk_size)[0][0]
+        logp, entropy = _chunked_stats(head, softcap, features, flat_targets, temperature, with_entropy, chunk_size)
+    else:
+        root = _sharded_root_with_plain_head(model)
+        if root is not None:  # sharded: the root's own forward, with its head applied in tiles
+            logp, entropy = _tiled_forward(model, root, inputs, flat_targets, temperature, with_entropy, chunk_size,
+                                           select=select, keep=targets.shape[1] + 1)
+        else:  # any other model computes its own logits; only the selected ones go through the tiles
+            logits = model(**inputs).logits[:, :-1][select].unsqueeze(0)
+            logp, entropy = _chunked_stats(_identity, None, logits, flat_targets, temperature, with_entropy,
+                                           chunk_size)
+    return logp[0], (entropy[0] if entropy is not None else None)
+
+
+def _packed_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           prompt_length: int, temperature: float, micro_batch_size: int, with_entropy: bool,
+                           chunk_size: int, max_tokens: int | None, budget_key: str, pack_width: int | None,
+                           counter: ComputedTokens | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs with the rows packed (micro_batches.packed_micro_batches): flat [N x T] log-probs
+    (and entropies), scattered from each packed forward to the places padded rows would give them."""
+    device = next(model.parameters()).device
+    n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
+    lengths = packed_lengths(attention_mask, prompt_length)
+    places, logps, entropies = [], [], []
+    for rows in packed_micro_batches(lengths, max_tokens, micro_batch_size, budget_key, is_sharded(model),
+                                     pack_width):
+        packed = packed_inputs(input_ids, attention_mask, prompt_length, rows)
+        if counter is not None:
+            counter.add(packed.input_ids.numel(), packed.real_tokens)
+        inputs = dict(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+                      use_cache=False)
+        select = packed.select.to(device)
+        logp, entropy = _selected_stats(model, inputs, packed.targets.to(device), select, temperature,
+                                        with_entropy, chunk_size)
+        places.append(packed.destination.to(device)[select])
+        logps.append(logp)
+        entropies.append(entropy)
+    size = n * completion_length
+    if not places:
+        empty = torch.zeros(size, device=device)
+        return empty, (empty.clone() if with_entropy else None)
+    where = torch.cat(places)
+    logp = torch.zeros(size, device=device, dtype=logps[0].dtype).index_put((where,), torch.cat(logps))
+    entropy = torch.zeros(size, device=device).index_put((where,), torch.cat(entropies)) if with_entropy else None
+    return logp, entropy
 
 
 def _restore_rows(parts: list[torch.Tensor], order: torch.Tensor | None, width: int) -> torch.Tensor:

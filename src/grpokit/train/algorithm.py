@@ -16,6 +16,7 @@ import torch
 
 from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.math import grpo_loss
+from grpokit.micro_batches import RowLayout
 from grpokit.rewards import RewardResult
 from grpokit.types import Rollout
 
@@ -32,6 +33,7 @@ class Batch:
     tokenizer: object
     rule_rewards: bool  # outcome rewards configured (False: step scores alone, a process reward model's or function's)
     extras: dict = field(default_factory=dict)  # what advantages() leaves for update_own_model()
+    layout: RowLayout = field(default_factory=RowLayout)  # packed or padded forwards (grpo.pack_rows)
 
 
 # Trainer.update(model, optimizer, scheduler, loss_mask, micro_loss, token_weighted, row_lengths) -> (sums, skipped)

@@ -34,7 +34,8 @@ from grpokit.config import GRPOConfig, RolloutConfig
 from grpokit.loggers import MetricsLogger, NullLogger
 from grpokit.math import groups_with_spread, loss_denominator
 from grpokit.metrics import MetricsWriter, NullWriter, truncate_metrics
-from grpokit.micro_batches import split_by_tokens
+from grpokit.errors import ConfigError
+from grpokit.micro_batches import RowLayout, packed_lengths
 from grpokit.models.lora import AdapterDisabledReference, as_module, is_lora, merged_state_dict
 from grpokit.models.precision import as_frozen
 from grpokit.progress import progress
@@ -46,7 +47,6 @@ from grpokit.rewards.process import is_process_reward
 from grpokit.rewards.scoring import row_columns
 from grpokit.rollout import (HFEngine, RolloutEngine, RolloutEngineError, SamplingParams, WeightSyncError,
                              request_seeds, token_logprobs)
-from grpokit.rollout.logprobs import attended_ends
 from grpokit.rollout.remote import RemoteRollouts
 from grpokit.rollout.schedule import batches_ready, sampling_version
 from grpokit.rollout.wire import RolloutWorkerError, Task
@@ -55,6 +55,7 @@ from grpokit.train import state as train_state
 from grpokit.train.algorithm import Algorithm, Batch
 from grpokit.train.mode_metrics import MODES, mode_metrics
 from grpokit.train.schedule import make_optimizer, warmup_constant
+from grpokit.train.sft import TokenizedExamples, packing_matches_padding
 from grpokit.types import Rollout
 
 
@@ -122,10 +123,32 @@ def sampling_params(config: GRPOConfig) -> SamplingParams:
                           top_p=config.top_p, batch_size=config.generation_batch_size)
 
 
-def row_tokens(rollout: Rollout) -> torch.Tensor:
-    """[N] tokens each row's forward computes: its prompt columns and its completion up to the
-    last attended token (token_logprobs cuts a micro-batch to its longest row the same way)."""
-    return attended_ends(rollout.attention_mask).clamp(min=rollout.prompt_length + 1)
+# Rows of the first batch the packing check runs on: enough to share packed rows, three forwards' worth.
+PACKING_CHECK_ROWS = 32
+
+
+def packs_apart(model: torch.nn.Module, rollout: Rollout, pad_id: int, max_tokens: int, lockstep: bool) -> bool:
+    """SFT's packing check (train/sft.py, packing_matches_padding) on up to PACKING_CHECK_ROWS of the
+    rollout's samples as examples: their attended tokens, the prompt's unlabelled."""
+    mask = rollout.attention_mask.bool().cpu()
+    lengths = packed_lengths(mask, rollout.prompt_length)
+    rows = lengths.nonzero().flatten().tolist()[:PACKING_CHECK_ROWS]
+    if not rows:
+        return True  # nothing to compute: nothing can leak
+    ids = rollout.input_ids.cpu()
+    examples = TokenizedExamples.of([(ids[i][mask[i]].tolist(), int(mask[i, : rollout.prompt_length].sum()))
+                                     for i in rows])
+    return packing_matches_padding(model, examples, list(range(len(rows))), pad_id, max_tokens, lockstep)
+
+
+def same_attention(model: torch.nn.Module, policy: torch.nn.Module) -> bool:
+    """Whether `model` (the reference, a critic) handles packed rows as the checked policy does: the
+    policy itself, or a model of its type and attention implementation."""
+    if model is policy:
+        return True
+    a, b = getattr(model, "config", None), getattr(policy, "config", None)
+    return a is not None and b is not None and all(
+        getattr(a, key, None) == getattr(b, key, None) is not None for key in ("model_type", "_attn_implementation"))
 
 
 class Trainer:
@@ -188,6 +211,8 @@ class Trainer:
         self._failed_rollout_streak = 0
         self._nonfinite_streak = 0
         self._warned_no_signal = False
+        self._pack: bool | None = None  # grpo.pack_rows, decided on the first batch (packs_apart)
+        self.layout = RowLayout()  # this step's: packed or padded rows, and the tokens its forwards computed
         self.global_step = 0
         self.interrupted = False  # set when a signal stopped train() early
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
@@ -273,9 +298,10 @@ class Trainer:
         rollout, loss_mask = self.on_policy_device(rollout, result)
 
         t = time.perf_counter()  # the log-probs the update holds fixed, then the advantages
+        self.layout = RowLayout.of(self.packs(rollout), rollout.attention_mask, rollout.prompt_length)
         ref_logp, old_logp = self.fixed_logprobs(rollout)
         batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, self.tokenizer,
-                      any(not is_process_reward(r.fn) for r in self.rewards))
+                      any(not is_process_reward(r.fn) for r in self.rewards), layout=self.layout)
         advantages, algorithm_stats = self.algorithm.advantages(batch)
         timings["perf/logprob_time_s"] = time.perf_counter() - t
 
@@ -325,6 +351,7 @@ class Trainer:
             **mode_metrics(rollout, result),
             "perf/tokens_per_s": float(lengths.sum()) / seconds,
             "perf/step_time_s": seconds,
+            "perf/padding_frac": self.layout.computed.padding_frac,
             **timings,
             **({"perf/trainer_idle_frac": timings["perf/rollout_time_s"] / seconds} if self.remote else {}),
             "lr": self.scheduler.get_last_lr()[0],
@@ -435,14 +462,34 @@ class Trainer:
             result.total = torch.tensor([sum(s.rewards) / len(s.rewards) for s in result.step_scores],
                                         dtype=torch.float64)
 
+    def packs(self, rollout: Rollout) -> bool:
+        """Whether this run's forwards pack rows (grpo.pack_rows): off never; auto and on once the
+        policy is seen to keep packed samples apart on the first batch (SFT's check, packs_apart);
+        a policy that fails it pads under auto and is an error under on."""
+        mode = self.config.pack_rows
+        if self._pack is None:
+            lockstep = self.world_size > 1
+            self._pack = mode != "off" and distributed.all_agree(
+                packs_apart(self.model, rollout, self.tokenizer.pad_token_id, self.config.max_tokens_per_micro_batch,
+                            lockstep))
+            if not self._pack and mode == "on":
+                raise ConfigError("grpo.pack_rows=on, but this policy's attention does not keep packed samples "
+                                  "apart (packed log-probs differ from padded ones): set grpo.pack_rows to auto or off")
+            if not self._pack and mode == "auto" and distributed.is_main():
+                print("grpokit: this policy's attention does not keep packed samples apart; log-prob passes and "
+                      "updates pad one sample per row instead (grpo.pack_rows=auto; slower, same result)",
+                      file=sys.stderr)
+        return self._pack
+
     def logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """[N, T] log-probs of the rollout's completions under `model` (no gradient), on the policy's
         device. `model` may be a LoRA policy's reference: the policy with its adapters disabled."""
         cfg = self.config
         with torch.no_grad(), as_module(model) as module:
+            layout = self.layout if same_attention(module, self.model) else RowLayout(computed=self.layout.computed)
             logp, _ = token_logprobs(module, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
                                      cfg.temperature, cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
-                                     budget_key="grpo.max_tokens_per_micro_batch")
+                                     budget_key="grpo.max_tokens_per_micro_batch", **layout.forward_options())
         return logp.to(self.device)
 
     def fixed_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -464,7 +511,8 @@ class Trainer:
         def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
             mask = loss_mask[micro]
             logp, entropy = token_logprobs(self.model, rollout.input_ids[micro], rollout.attention_mask[micro],
-                                           rollout.prompt_length, cfg.temperature, len(micro), with_entropy=epoch == 0)
+                                           rollout.prompt_length, cfg.temperature, len(micro), with_entropy=epoch == 0,
+                                           **self.layout.forward_options())
             old = old_logp[micro] if old_logp is not None else logp.detach()
             sampling = rollout.sampling_logp[micro] if rollout.sampling_logp is not None else None
             loss, stats = self.algorithm.loss(logp, old, ref_logp[micro] if with_ref else None, advantages[micro],
@@ -487,7 +535,7 @@ class Trainer:
         """mu epochs of policy updates through update(); the step's policy metrics."""
         sums, skipped = self.update(self.model, self.optimizer, self.scheduler, loss_mask,
                                     self.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp),
-                                    row_lengths=row_tokens(rollout))
+                                    row_lengths=self.layout.row_lengths(rollout.attention_mask, rollout.prompt_length))
         tokens = sums.get("tokens", 0.0)
         out = {k: sums[k] / tokens for k in ("kl", "clip_fraction", "ratio_mean", "policy_loss") if k in sums} \
             if tokens else {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}
@@ -573,11 +621,12 @@ class Trainer:
     def micro_batches(self, rows: torch.Tensor, row_lengths: torch.Tensor | None, lockstep: bool) -> list:
         """`rows` cut into micro-batches: at most grpo.micro_batch_size rows each and, given each row's
         length in tokens, at most grpo.max_tokens_per_micro_batch tokens (rows x the longest), in
-        order of length (micro_batches.split_by_tokens)."""
+        order of length (micro_batches.split_by_tokens); packed (grpo.pack_rows), whole packed rows of
+        this step's layout, at most grpo.micro_batch_size of them (RowLayout.micro_batches)."""
         if row_lengths is None:
             return list(rows.split(self.config.micro_batch_size))
-        groups = split_by_tokens(row_lengths.to(rows.device)[rows], self.config.max_tokens_per_micro_batch,
-                                 self.config.micro_batch_size, "grpo.max_tokens_per_micro_batch", lockstep)
+        groups = self.layout.micro_batches(row_lengths.to(rows.device)[rows], self.config.max_tokens_per_micro_batch,
+                                           self.config.micro_batch_size, "grpo.max_tokens_per_micro_batch", lockstep)
         return [rows[g.to(rows.device)] for g in groups]
 
     # ------------------------------------------------------------------ stages

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 from grpokit import distributed
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.math import gae_advantages, kl_k3, value_loss
-from grpokit.micro_batches import attended_ends
+from grpokit.micro_batches import RowLayout, attended_ends
 from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_state_dict, load_optimizer_state,
                                      local_tensors, shard_model)
 from grpokit.models.value import build_critic, token_values
 from grpokit.train.algorithm import Algorithm, Batch, Update
-from grpokit.train.loop import Trainer, row_tokens
+from grpokit.train.loop import Trainer, same_attention
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 
@@ -81,6 +81,7 @@ class PPO(Algorithm):
         if is_sharded(policy) and not is_sharded(self.critic):
             self.critic = shard_model(self.critic)  # the critic is sharded like the policy
         self._critic_state = None
+        self._packs_like_policy = same_attention(self.critic, policy)  # so it packs when the policy does
         self.critic.eval()  # no dropout in value estimates; gradients flow all the same
         self.critic_optimizer = make_optimizer(self.critic, self.ppo.critic_learning_rate, config.weight_decay)
         self.critic_scheduler = warmup_constant(self.critic_optimizer, config.warmup_steps)
@@ -92,19 +93,23 @@ class PPO(Algorithm):
     def wants_old_logprobs(self) -> bool:
         return True  # the KL-shaped rewards use pi_old's log-probs
 
-    def values(self, rollout: Rollout, rows=None) -> torch.Tensor:
-        """[n, T] critic values V(s_t) of the completion tokens, on the critic's device."""
+    def values(self, rollout: Rollout, rows=None, layout: RowLayout | None = None) -> torch.Tensor:
+        """[n, T] critic values V(s_t) of the completion tokens, on the critic's device; packed as the
+        step's `layout` packs the policy's rows when the critic is of the policy's kind."""
         rows = slice(None) if rows is None else rows
+        layout = layout or RowLayout()
+        if not self._packs_like_policy:
+            layout = RowLayout(computed=layout.computed)
         return token_values(self.critic, rollout.input_ids[rows], rollout.attention_mask[rows],
                             rollout.prompt_length, self.config.micro_batch_size,
                             max_tokens=self.config.max_tokens_per_micro_batch,
-                            budget_key="grpo.max_tokens_per_micro_batch")
+                            budget_key="grpo.max_tokens_per_micro_batch", **layout.forward_options())
 
     def advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         cfg, ppo, mask = self.config, self.ppo, batch.loss_mask
         device = mask.device
         with torch.no_grad():
-            old_values = self.values(batch.rollout).to(device)
+            old_values = self.values(batch.rollout, layout=batch.layout).to(device)
         valid = batch.result.valid.to(device)
         scores = torch.where(valid, batch.result.total.to(device), 0.0).float()
         rewards = shaped_token_rewards(scores, batch.old_logp, batch.ref_logp, mask, cfg.beta)
@@ -122,7 +127,9 @@ class PPO(Algorithm):
     def update_own_model(self, batch: Batch, update: Update) -> dict:
         """The critic's clipped value-loss updates, through the loop's update (token-weighted)."""
         sums, _ = update(self.critic, self.critic_optimizer, self.critic_scheduler, batch.loss_mask,
-                         self.critic_micro_loss(batch), token_weighted=True, row_lengths=row_tokens(batch.rollout))
+                         self.critic_micro_loss(batch), token_weighted=True,
+                         row_lengths=batch.layout.row_lengths(batch.rollout.attention_mask,
+                                                              batch.rollout.prompt_length))
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
         return {"value/loss": sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0)),
@@ -135,7 +142,7 @@ class PPO(Algorithm):
 
         def micro_loss(micro: torch.Tensor, epoch: int, total: float | None = None):
             mask = loss_mask[micro]
-            values = self.values(batch.rollout, micro).to(mask.device)
+            values = self.values(batch.rollout, micro, batch.layout).to(mask.device)
             tokens = mask.sum()
             # value_loss is this micro-batch's token mean; times its share of the minibatch's tokens
             loss = value_loss(values, old_values[micro], returns[micro], mask, clip) * (tokens / (total or tokens))

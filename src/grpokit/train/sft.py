@@ -28,7 +28,7 @@ import torch
 
 from grpokit import distributed
 from grpokit.config import ConfigError, SFTConfig
-from grpokit.micro_batches import split_by_tokens
+from grpokit.micro_batches import pack_rows, split_by_tokens
 from grpokit.models.precision import compute_dtype
 from grpokit.models.sharding import grad_norm_value
 from grpokit.progress import progress as progress_bar
@@ -99,26 +99,6 @@ class TokenizedExamples:
 
     def __len__(self) -> int:
         return len(self.lengths)
-
-
-def pack_rows(lengths: list[int]) -> list[list[int]]:
-    """First-fit decreasing: example indices grouped into rows no longer than the longest one.
-
-    Rows come in order of their first (longest) example; within a row, longest first. The
-    result depends only on the lengths, so a batch always packs the same way."""
-    width = max(lengths)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(width - lengths[i])
-    return rows
 
 
 def packed_batch(examples: TokenizedExamples, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
