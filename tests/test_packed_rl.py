@@ -273,7 +273,9 @@ def test_a_packed_run_logs_less_padding_and_the_same_first_step(tokenizer, chain
 # ---------------------------------------------------------------- the real checkpoint
 
 @pytest.mark.real
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+# Measured: fp32 8e-6; bf16 2.5e-2, while the padded update alone, cut into other micro-batches (160 -> 400
+# tokens), moves by 4.4% in bf16: that is bf16's own rounding, so its bound is 5e-2. A leak moves it by O(1).
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_real_checkpoint_packed_gradients_equal_padded(tmp_path, dtype, tolerance):
     if not SMOLLM2.is_dir():
         pytest.skip("models/smollm2-135m-instruct absent: run `make models` (downloads once, then offline)")
