@@ -121,3 +121,13 @@ def test_help_lists_the_registered_tasks():
     text = config_keys_help(demo=False)
     doc = text[text.index("--task.name='auto'"):].split("\n  --", 1)[0]
     assert "'package.module:ClassName'" in doc and f"(registered: {', '.join(sorted(TASKS))})" in doc
+
+
+def test_auto_with_data_files_is_graded_by_the_math_reward():
+    """task.name=auto with data files is the math task: its default reward is math_accuracy, never chain's
+    rule (which scores every GSM8K answer 0); rewards a config names stay."""
+    files = load_config(overrides=["--data.sources=[{path: questions.jsonl}]"])
+    assert [r.name for r in files.rewards] == ["math_accuracy"]
+    assert [r.name for r in load_config().rewards] == ["chain_accuracy"]  # no files: the chain task
+    own = load_config(overrides=["--data.sources=[{path: q.jsonl}]", "--rewards=[{name: format}]"])
+    assert [r.name for r in own.rewards] == ["format"]

@@ -139,8 +139,8 @@ class DistributedConfig:
 @dataclass
 class TaskConfig:
     name: str = opt("auto", "the task: auto (math when data names any sources, else chain), a registered task, "
-                            "or your own as 'package.module:ClassName'; a named task's own reward replaces the "
-                            "default rewards")
+                            "or your own as 'package.module:ClassName'; the task's own reward (auto's too) replaces "
+                            "the default rewards")
     min_ops: int = opt(3, "fewest operations in a chain question")
     max_ops: int = opt(5, "most operations in a chain question")
     max_start: int = opt(20, "largest starting number")
@@ -157,6 +157,12 @@ class TaskConfig:
                                                        "question: cot (chain-of-thought), tir (the task's "
                                                        "tool-integrated prompts, with rollout.tool), e.g. "
                                                        "{cot: 0.5, tir: 0.5}")
+
+    def resolved_name(self, data: "DataConfig") -> str:
+        """task.name with auto resolved: the files' math questions when `data` names any, else chain."""
+        if self.name != "auto":
+            return self.name
+        return "math" if data.sources or data.sft_sources or data.eval_sources else "chain"
 
     def problems(self) -> Iterator[str]:
         """This section's own rules (task.name is checked with the rewards, in grpokit.config.validation)."""

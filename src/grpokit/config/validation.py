@@ -120,10 +120,13 @@ def _named_task(config: Config):
 
 
 def _take_task_reward(config: Config) -> None:
-    """A named task's own reward replaces the default rewards (chain_accuracy, which would score its
-    answers by chain's rule). A task.name that names no task is left to _task_problems."""
+    """The task's own reward replaces the default rewards (chain_accuracy, which would score its
+    answers by chain's rule, zero for every GSM8K answer): a named task's, or auto's when the data names
+    files (the math task). A task.name that names no task is left to _task_problems."""
+    from grpokit.tasks.registry import task_class  # the import against the layers, as in _named_task
+
     try:
-        cls = _named_task(config)
+        cls = task_class(config.task.resolved_name(config.data))
     except ValueError:
         return
     if cls is not None and cls.reward and config.rewards == [RewardConfig()]:

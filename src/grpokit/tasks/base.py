@@ -50,10 +50,7 @@ class Task(Protocol):
 def task_for(config: Config) -> Task:
     """The task task.name names. "auto": the files' math questions when the config names any
     data, else the built-in chain arithmetic."""
-    name, d = config.task.name, config.data
-    if name == "auto":
-        name = "math" if d.sources or d.sft_sources or d.eval_sources else "chain"
-    return task_class(name)(config)
+    return task_class(config.task.resolved_name(config.data))(config)
 
 
 def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tokenizer) -> list[dict]:
