@@ -8,7 +8,7 @@
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 is set for the workers)
     python benchmarks/vs_trl.py --configs 113m --frameworks trl,grpokit,grpokit-vllm --steps 3 --warmup 1 --pairs 1
     # a real checkpoint: SmolLM2-135M-Instruct (`make models`) with LoRA, chat-templated prompts
-    python benchmarks/vs_trl.py --configs smollm2 --steps 4 --warmup 1 --pairs 2 --threads 2
+    python benchmarks/vs_trl.py --configs smollm2 --steps 4 --warmup 1 --pairs 1 --threads 2 --profile
 
 What runs
 ---------
