@@ -1,19 +1,19 @@
 """The GRPO update with packed rows against padded rows, side by side on the real checkpoint.
 
-    OMP_NUM_THREADS=2 python benchmarks/packed_update.py [--prompts 4] [--group 4] [--repeats 3]
+    OMP_NUM_THREADS=2 python benchmarks/packed_update.py [--prompts 3] [--group 4] [--repeats 2]
 
 A GSM8K-like batch on SmolLM2-135M-Instruct (models/smollm2-135m-instruct, built by `make models`):
 --prompts real GSM8K questions (tests/fixtures) through the chat template, --group completions each,
 whose lengths are drawn from a long-tailed (log-normal) distribution between 20 and 400 tokens,
 median --median. Prompts are left-padded and completions right-padded, as rollouts hold them.
 
-After an untimed warm-up on one group, each repeat runs the update both ways, alternating which
-goes first: Trainer.update_policy (the micro-batches, forward, backward and optimizer step the loop
-runs; grpo.max_tokens_per_micro_batch and grpo.micro_batch_size at their defaults), then the
-no-grad log-prob pass of pi_old over the same rows. It prints, for each layout, the median seconds,
-the tokens the forwards computed, the share of them that were padding (perf/padding_frac), and the
-packed/padded ratios: the time ratio against the computed-token ratio says how far the time follows
-the padding removed.
+After an untimed padded update of one group (first-call allocations), each repeat runs the update
+both ways, alternating which goes first: Trainer.update_policy (the micro-batches, forward, backward
+and optimizer step the loop runs; grpo.max_tokens_per_micro_batch and grpo.micro_batch_size at their
+defaults), then the no-grad log-prob pass of pi_old over the same rows. It prints, for each layout,
+the median seconds, the tokens the forwards computed, the share of them that were padding
+(perf/padding_frac), and the packed/padded ratios: the time ratio against the computed-token ratio
+says how far the time follows the padding removed.
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def gsm8k_like_rollout(tokenizer, prompts: int, group: int, median: float, seed:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--median", type=float, default=120.0, help="median completion length in tokens")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not MODEL.is_dir():
@@ -102,10 +102,9 @@ def main() -> None:
         with torch.no_grad():
             ref_logp = token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
                                       config.temperature, pack=True)[0]
-        warm = rollout.take(torch.arange(args.group))  # one group, each way, untimed: first-call allocations
-        for pack in (False, True):
-            trainer.layout = RowLayout.of(pack, warm.attention_mask, warm.prompt_length)
-            trainer.update_policy(warm, advantages[: args.group], loss_mask[: args.group], ref_logp[: args.group], None)
+        warm = rollout.take(torch.arange(args.group))  # one group, untimed: the first backward's allocations
+        trainer.layout = RowLayout.of(False, warm.attention_mask, warm.prompt_length)
+        trainer.update_policy(warm, advantages[: args.group], loss_mask[: args.group], ref_logp[: args.group], None)
         results = {"padded": [], "packed": []}
         for repeat in range(args.repeats):
             order = ["padded", "packed"] if repeat % 2 == 0 else ["packed", "padded"]
