@@ -467,6 +467,13 @@ class Trainer:
         policy is seen to keep packed samples apart on the first batch (SFT's check, packs_apart);
         a policy that fails it pads under auto and is an error under on."""
         mode = self.config.pack_rows
+        if self._pack is None and self.world_size > 1:
+            # Packed passes under torchrun deadlocked (ranks made different collective calls in a run with
+            # tool rollouts): until that is found, several processes pad, as before packing existed.
+            if mode == "on":
+                raise ConfigError("grpo.pack_rows=on is not supported with several processes (torchrun) yet: "
+                                  "set grpo.pack_rows to auto (pads there) or off")
+            self._pack = False
         if self._pack is None:
             lockstep = self.world_size > 1
             self._pack = mode != "off" and distributed.all_agree(
