@@ -87,3 +87,22 @@ def test_greedy_is_deterministic(tiny_model, tokenizer):
     a = sample_groups(tiny_model, tokenizer, ["Q: 5+5\n"], 2, params)
     b = sample_groups(tiny_model, tokenizer, ["Q: 5+5\n"], 2, params)
     assert a.completions[0] == a.completions[1] == b.completions[0]
+
+
+def test_sampling_draws_from_the_whole_vocabulary():
+    """The trainer's log-probs are over the whole vocabulary, so sampling must be too: transformers'
+    generate would otherwise keep only its default top 50 tokens. A model with nearly equal (but
+    distinct, so a top-50 cut has no ties to keep) logits over 99 tokens, 400 draws of one token:
+    about 98 distinct ones, and at most 50 with the cut."""
+    from grpokit.build import ASCII_ALPHABET
+    from grpokit.models import build_tiny_model
+    from grpokit.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    model = build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0.0, 1e-3)  # logits within about 0.01 of each other
+    torch.manual_seed(0)
+    ro = sample_groups(model, tokenizer, ["Q"], 400, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0))
+    assert len(tokenizer) > 90
+    assert len(set(ro.completion_ids[:, 0].tolist())) > 80

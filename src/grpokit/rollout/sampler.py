@@ -155,7 +155,9 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
         do_sample=not greedy,
         temperature=None if greedy else params.temperature,
         top_p=None if greedy else params.top_p,
-        top_k=None,
+        # 0, not None: generate fills None with its default of 50, and the log-probs below are
+        # taken over the whole vocabulary, so sampling must be too.
+        top_k=None if greedy else 0,
         eos_token_id=eos_ids,
         pad_token_id=tokenizer.pad_token_id,
         **({"stop_strings": list(params.stop)} if params.stop else {}),
