@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpokit.build import load_policy, seed_everything
+from grpokit.pipeline.build import load_policy, seed_everything
 from grpokit.cli import DEMO_PRESET
 from grpokit.config import Config, load_config
 from grpokit.data import arithmetic
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rollout import SamplingParams
-from grpokit.tasks.base import task_for
+from grpokit.tasks import task_for
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 from grpokit.train.sft import TokenizedExamples, packed_batch, padded_batch, tokenize_examples
 
@@ -213,7 +213,7 @@ def profile_eval(config: Config, threads: list[int], questions: int, checkpoint:
 
 def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str | None) -> None:
     """GRPO steps at each thread count, taking turns, split by the timings the trainer logs."""
-    from grpokit.build import make_trainer
+    from grpokit.pipeline.build import make_trainer
 
     if checkpoint:
         model, tokenizer = load_model_and_tokenizer(checkpoint, dtype="fp32", device="cpu")

@@ -34,7 +34,7 @@ from grpokit.models import load_model_and_tokenizer
 from grpokit.rewards import WeightedReward
 from grpokit.rollout.logprobs import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
-from grpokit.train.loop import packs_apart
+from grpokit.train.packing import packs_apart
 from grpokit.types import Rollout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ EOS_FREE_LOGIT_STD = 4.0  # output-head logit scale that makes a zero EOS logit 
 
 def build_tokenizer(vocabulary):
     from grpokit.models import build_char_tokenizer
-    from grpokit.build import ASCII_ALPHABET
+    from grpokit.pipeline.build import ASCII_ALPHABET
 
     if vocabulary == "char":
         return build_char_tokenizer(ASCII_ALPHABET)

@@ -6,7 +6,7 @@ demo's held-out questions, and where TIR's time goes.
 loads the run's pi_SFT (checkpoints/sft) and evaluates its 500 held-out questions greedily,
 alternating CoT, TIR, CoT, TIR, ... in one process so drift in machine load hits both alike.
 CoT is one batched generation. TIR generates until "```output", runs every program in
-grpokit.sandbox (a fresh isolated interpreter each, `--workers` at a time), appends the output
+grpokit.tools.sandbox (a fresh isolated interpreter each, `--workers` at a time), appends the output
 and generates again (eval.max_tool_calls rounds). Prints a Markdown table of median seconds,
 TIR's split into generation and programs, and the TIR / CoT ratio; then the sandbox's cost per
 program alone.
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpokit.eval.evaluate import evaluate_tir
     from grpokit.models import load_model_and_tokenizer
     from grpokit.rollout import HFEngine, SamplingParams, max_model_len
-    from grpokit.sandbox import namespaces_available, run_many
+    from grpokit.tools.sandbox import namespaces_available, run_many
     from grpokit.tasks import task_for
 
     run = Path(args.run)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpokit.rewards.answers import extract_final_answer, final_answers, math_reference
+from grpokit.data.answers import extract_final_answer, final_answers, math_reference
 from grpokit.rewards.math_rewards import math_accuracy_with_stats
 from grpokit.rewards.verify_pool import VerifierPool
 

@@ -295,7 +295,7 @@ def run_grpokit(args) -> dict:
     import torch
 
     from grpokit.config import GRPOConfig, LoraConfig
-    from grpokit.metrics import read_metrics
+    from grpokit.run.metrics import read_metrics
     from grpokit.models import load_model_and_tokenizer
     from grpokit.models.lora import AdapterDisabledReference, apply_lora
     from grpokit.rewards import WeightedReward

@@ -11,11 +11,15 @@ RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--
        "--grpo.learning_rate=3e-4", "--quiet"]
 
 
-def cli(*args, check=True, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def cli(*args, check=True, expect=0, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """`grpokit ARGS` in a subprocess, as a user types it. check: the exit status must be `expect`, and
+    a failure (expect != 0) must end in a message, never a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
     if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == expect, proc.stderr[-3000:]
+        if expect:
+            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
 

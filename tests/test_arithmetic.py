@@ -80,7 +80,7 @@ def test_worked_rates_by_hand():
 def test_demo_table_shows_worked_and_direct_accuracy():
     from grpokit.config import Config
     from grpokit.eval.evaluate import EvalResult
-    from grpokit.report import format_table
+    from grpokit.pipeline.report import format_table
     from grpokit.tasks.chain import ChainTask
 
     before = EvalResult(0.5, 0.6, 0.5, 8, 4, ["A: 1", "A: 2", "3-1\nA: 2", "3-1\nA: 3"], [True, False, True, False])
@@ -105,8 +105,8 @@ def test_tir_prompt_and_demonstration_golden():
 def test_tir_demonstrations_show_exactly_what_the_harness_appends():
     """Cut a demonstration at "```output": running its program in the sandbox and formatting the
     result as the TIR rollout does gives back the rest of the demonstration up to the answer."""
-    from grpokit.eval.tir import OUTPUT_STOP, cumulative_program, format_tool_output
-    from grpokit.sandbox import run_many
+    from grpokit.tools.python import OUTPUT_STOP, cumulative_program, format_tool_output
+    from grpokit.tools.sandbox import run_many
 
     questions = ["7+5-3+9", "3-5", "20-9-9-1+4"]
     demos = [arithmetic.format_tir_solution(q) for q in questions]

@@ -3,24 +3,25 @@ reads it, an unreadable reference, a file that is not UTF-8 text and a wrong col
 give one line naming the place and the fix, and every question left out is counted. The commands
 run for real, in subprocesses; the paper's example runs on the real GSM8K and MATH files."""
 
+import functools
 import gzip
 import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from grpokit.build import ASCII_ALPHABET
-from grpokit.checkpoint import save_checkpoint
+from grpokit.pipeline.build import ASCII_ALPHABET
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import DataSource
 from grpokit.data.files import DatasetError
 from grpokit.data.sources import load_source
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from grpokit.models import build_char_tokenizer, build_tiny_model
-from grpokit.rewards.answers import math_reference, reference_boxes
+from grpokit.data.answers import math_reference, reference_boxes
+from run_helpers import cli
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("GRPOKIT_DATA") or REPO.parent / "shared" / "data")
@@ -31,9 +32,7 @@ PLAIN_PROMPTS = ["--data.template=none", "--data.chat_template=off"]  # a questi
 SKIP = "or set data.skip_malformed_lines=true to skip and count such rows"
 
 
-def grpokit(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpokit.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+grpokit = functools.partial(cli, check=False, timeout=300)  # each test checks how the command failed
 
 
 def fails(proc: subprocess.CompletedProcess, message: str, code: int = 1) -> None:

@@ -2,10 +2,9 @@
 file or path and the fix, with exit status 1 or 2. Each runs the real command in a subprocess; the
 mistakes that can be found before any model loads are found there."""
 
+import functools
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ import torch
 
 from grpokit.config import EvalConfig, ModelConfig, RolloutConfig
 from grpokit.rewards.registry import reward_function, reward_names
-from grpokit.train.loop import NO_SIGNAL_STEPS, no_signal_warning
+from grpokit.train.step_metrics import NO_SIGNAL_STEPS, no_signal_warning
+from run_helpers import cli
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
@@ -22,9 +22,7 @@ TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tin
         "--max_completion_length=16", "--grpo.max_steps=2", "--quiet"]
 
 
-def grpokit(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+grpokit = functools.partial(cli, check=False, timeout=300)  # each test checks how the command failed
 
 
 def one_line_error(proc, status: int) -> str:

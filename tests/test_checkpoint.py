@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpokit.checkpoint import (
+from grpokit.run.checkpoint import (
     LATEST,
     MANIFEST,
     CheckpointError,

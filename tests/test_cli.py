@@ -1,13 +1,13 @@
 """The command line, run for real in subprocesses on tiny budgets."""
 
+import functools
 import json
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from grpokit.config import load_config
+from run_helpers import cli
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
@@ -15,11 +15,7 @@ TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tin
         "--grpo.max_steps=2", "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16"]
 
 
-def grpokit(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+grpokit = functools.partial(cli, timeout=300)
 
 
 def test_demo_writes_the_run_directory(tmp_path):
@@ -106,7 +102,7 @@ def test_lora_demo_improves_over_the_sft_model(tmp_path, seed0_demo):
 
 def test_tir_table_golden():
     from grpokit.eval.evaluate import EvalResult, TIRResult
-    from grpokit.report import tir_table
+    from grpokit.pipeline.report import tir_table
 
     def result(cot, tir):
         return EvalResult(cot, 0.0, 0.0, 8, 500, tir=TIRResult(tir, 500, 500, 1.0, 0.5, 0.5, True))
@@ -120,7 +116,7 @@ def test_tir_table_golden():
 
 
 def test_stage_times_names_each_stage_and_what_is_left():
-    from grpokit.report import stage_times
+    from grpokit.pipeline.report import stage_times
 
     summary = {"sft_seconds": 100.4, "eval_before_seconds": 8.0, "reward_model_seconds": 30.2, "rl_seconds": 90.0,
                "eval_after_seconds": 9.0, "wall_seconds": 240.0}

@@ -257,3 +257,22 @@ def test_an_old_saved_config_loads_and_resumes_as_the_same_settings_under_new_ke
     assert resume_differences(saved, to_dict(current)) == []
     saved["reward_model"]["train_batch_size"] = 8  # a real change, named by its new key
     assert resume_differences(saved, to_dict(current)) == ["reward_model.train.batch_size: 8 -> 4"]
+
+
+def test_interval_bounds_include_their_closed_ends_only():
+    from grpokit.config.schema import _interval_test
+
+    assert [_interval_test("[0, 1)")(v) for v in (-0.1, 0, 0.5, 1)] == [False, True, True, False]
+    assert [_interval_test("(0, 1]")(v) for v in (0, 1e-9, 1, 1.1)] == [False, True, True, False]
+    assert [_interval_test("[0, 1]")(v) for v in (0, 1)] == [True, True]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--iterative.replay_fraction=2", r"iterative.replay_fraction must lie in \[0, 1\], got 2 \(the default is 0.1\)"),
+    ("--ppo.lam=1.5", r"ppo.lam must lie in \[0, 1\], got 1.5 \(the default is 0.95\)"),
+    ("--grpo.epsilon_high=-1", r"grpo.epsilon_high must be >= 0, got -1 \(the default is None\)"),
+    ("--rollout.workers=-1", r"rollout.workers must be >= 0, got -1 \(the default is 0\)"),
+])
+def test_range_checks_name_the_key_the_value_and_the_default(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

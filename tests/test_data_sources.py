@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from grpokit.build import ASCII_ALPHABET
+from grpokit.pipeline.build import ASCII_ALPHABET
 from grpokit.config import DataConfig, DataSource
 from grpokit.data.files import DatasetError
 from grpokit.data.sources import build_rows, detect_format, load_source, worked_solution

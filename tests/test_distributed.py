@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grpokit import distributed
-from grpokit.checkpoint import saved_world_size
+from grpokit.run.checkpoint import saved_world_size
 from grpokit.config import Config, ConfigError, GRPOConfig, LoraConfig, check_world_size
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
@@ -25,7 +25,8 @@ from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.models.precision import set_compute_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rollout import SamplingParams, sample_groups
-from grpokit.train.grpo import GRPOTrainer, frozen_copy
+from grpokit.models.reference import frozen_copy
+from grpokit.train.grpo import GRPOTrainer
 
 AGGREGATIONS = ("sequence", "token", "constant")
 G, PROMPTS, WORLD = 4, 4, 2
@@ -113,7 +114,8 @@ def sft_losses(shard: bool) -> list[float]:
 def sharded_logprob_tiles(rollout) -> dict:
     """A sharded policy's log-probs go through its own forward with the head tiled: the largest
     number of positions the head saw at once, and the largest difference from the plain model's."""
-    from grpokit.models.sharding import fsdp_root, shard_model
+    from grpokit.models.sharding import shard_model
+    from grpokit.models.wrapping import fsdp_root
     from grpokit.rollout.logprobs import token_logprobs
 
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
@@ -437,7 +439,7 @@ def test_torchrun_two_processes_train_then_sigkill_and_resume_exactly(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from grpokit.metrics import read_metrics
+    from grpokit.run.metrics import read_metrics
 
     config = config_file(tmp_path)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -514,7 +516,7 @@ def test_when_one_process_dies_the_other_stops_with_a_message_and_no_half_checkp
     assert "grpokit: process 0 of 2 stopped" in log.read_text()
     checkpoints = run / "checkpoints"
     assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]  # no temp directory left
-    from grpokit.checkpoint import verify_checkpoint
+    from grpokit.run.checkpoint import verify_checkpoint
 
     for step in checkpoints.glob("step-*"):
         assert verify_checkpoint(step) == []
@@ -557,7 +559,7 @@ def test_torchrun_grpo_from_the_demo_pi_sft_learns_and_resumes_exactly_after_sig
 
     from safetensors.torch import load_file
 
-    from grpokit.metrics import read_metrics
+    from grpokit.run.metrics import read_metrics
 
     args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"

@@ -55,7 +55,7 @@ def test_a_run_reports_to_tensorboard_beside_metrics_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from test_reward_model_cli import TINY, grpokit
 
-    from grpokit.metrics import read_metrics
+    from grpokit.run.metrics import read_metrics
 
     grpokit("train", "--output-dir", str(tmp_path), "--report_to=[tensorboard]", "--grpo.max_steps=2",
             "--eval.before=false", *TINY, "--quiet")

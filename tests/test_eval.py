@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpokit.checkpoint import save_checkpoint
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.data import arithmetic
 from grpokit.eval import evaluate, pass_at_k
 from grpokit.eval.evaluate import majority_answer
@@ -68,7 +68,7 @@ def test_checkpoint_overwrite_is_atomic_and_loadable(tiny_model, tokenizer, tmp_
 def test_evaluate_tir_runs_each_program_and_grades_the_answer_line(scripted_engine):
     from grpokit.config import Config
     from grpokit.eval.evaluate import evaluate_tir
-    from grpokit.eval.tir import OUTPUT_STOP
+    from grpokit.tools.python import OUTPUT_STOP
     from grpokit.models import build_char_tokenizer
     from grpokit.tasks.chain import ChainTask
 

@@ -4,18 +4,13 @@ same greedy completions, the same verdicts and the same accuracy as the after-RL
 chain-of-thought and with tools (TIR: the same multi-turn rollout as RL, token for token)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import cli
 
 
-def grpokit(*args, timeout=600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+grpokit = cli
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_grpo_trainer import length_reward, make_trainer
 
-from grpokit.checkpoint import verify_checkpoint
+from grpokit.run.checkpoint import verify_checkpoint
 from grpokit.data.files import DatasetError, filter_long_prompts, load_prompt_rows
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from grpokit.rewards import WeightedReward, score_completions
-from grpokit.train.grpo import NonFiniteTraining
+from grpokit.train.failures import NonFiniteTraining
 
 
 def write_jsonl(path, lines):

@@ -12,7 +12,9 @@ from grpokit.config import GRPOConfig
 from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.rewards import WeightedReward
-from grpokit.train.grpo import GRPOTrainer, RewardFailure, zero_std_fraction
+from grpokit.train.failures import RewardFailure
+from grpokit.train.grpo import GRPOTrainer
+from grpokit.train.step_metrics import zero_std_fraction
 
 
 def length_reward(prompts, completions, **_):
@@ -73,7 +75,7 @@ def test_pi_old_needs_no_forward_pass_when_mu_is_one(tiny_model, tokenizer, chai
     trainer = make_trainer(tiny_model, tokenizer, chain_rows, tmp_path)
     from grpokit.rollout import sample_groups
 
-    rows = trainer._next_rows(2)
+    rows = trainer.prompts.next_rows(2)
     rollout = sample_groups(tiny_model, tokenizer, [r["prompt"] for r in rows], 4, trainer.sampling, rows)
     policy_calls = []
     hook = tiny_model.get_decoder().register_forward_hook(lambda *a: policy_calls.append(1))

@@ -36,7 +36,7 @@ def demo_policy(tmp_path_factory):
     """The demo's model after a brief SFT (so completions have steps and end with EOS), its tokenizer,
     and the demo task's 500 held-out prompts."""
     from grpokit.cli import DEMO_PRESET
-    from grpokit.tasks.base import task_for
+    from grpokit.tasks import task_for
 
     path = brief_sft(tmp_path_factory)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -295,7 +295,7 @@ def test_greedy_completions_equal_plain_generate_on_the_real_checkpoint():
     """The real checkpoint (SmolLM2-135M-Instruct, fp32 on this CPU) on 20 of the demo task's
     held-out questions, chat-templated: static-cache greedy completions are plain generate's."""
     from grpokit.cli import DEMO_PRESET
-    from grpokit.tasks.base import task_for
+    from grpokit.tasks import task_for
 
     if not (REAL_CHECKPOINT / "config.json").is_file():
         pytest.skip(f"{REAL_CHECKPOINT.relative_to(ROOT)} is absent: `make models` builds it")

@@ -6,7 +6,7 @@ import json
 from test_reward_model_cli import TINY, TINY_RM, grpokit
 
 from grpokit.data.reward_data import read_step_labels
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 
 LABELS = ["--reward_model.label_rollouts=2", "--reward_model.samples_per_question=2", "--quiet"]
 

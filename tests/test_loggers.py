@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import grpokit
-from grpokit.loggers import (
+from grpokit.run.loggers import (
     TRACKERS,
     CompositeLogger,
     MetricsLogger,
@@ -117,7 +117,7 @@ def test_check_trackers_imports_no_tracker():
     # find_spec only: a run that names trackers pays for their imports when the loggers start.
     code = (
         "import sys\n"
-        "from grpokit.loggers import TRACKERS, check_trackers\n"
+        "from grpokit.run.loggers import TRACKERS, check_trackers\n"
         "import importlib.util\n"
         "names = [n for n, (m, _) in TRACKERS.items() if importlib.util.find_spec(m) is not None]\n"
         "check_trackers(names)\n"
@@ -308,7 +308,7 @@ def test_trackio_local_store_reads_back(tmp_path):
     # Trackio fixes its storage directory at import, so the run gets a process of its own.
     code = f"""
 import json, torch
-from grpokit.loggers import TrackioLogger, make_loggers
+from grpokit.run.loggers import TrackioLogger, make_loggers
 from trackio.sqlite_storage import SQLiteStorage
 records = [
     {{"loss": 0.5, "kl": torch.tensor(0.01), "note": "warmup"}},

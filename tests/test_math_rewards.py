@@ -17,7 +17,7 @@ from grpokit.rewards import (
     math_accuracy,
     score_completions,
 )
-from grpokit.rewards.answers import (
+from grpokit.data.answers import (
     answer_count,
     extract_final_answer,
     final_answers,

@@ -5,7 +5,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from grpokit.checkpoint import save_checkpoint
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.models import (
     build_char_tokenizer,
     build_tiny_model,

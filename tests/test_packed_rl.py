@@ -15,7 +15,8 @@ from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import WeightedReward
 from grpokit.rollout.logprobs import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
-from grpokit.train.loop import packs_apart
+from grpokit.train.packing import packs_apart
+from grpokit.train.update import micro_batches as split_micro_batches
 from grpokit.train.sft import PACKING_TOLERANCE
 from grpokit.types import Rollout
 from test_grpo_trainer import length_reward, small_config
@@ -186,7 +187,8 @@ def update_gradients(trainer: GRPOTrainer, rollout: Rollout, pack: bool) -> list
     total = loss_denominator(loss_mask, trainer.config.loss_aggregation)
     model.zero_grad(set_to_none=True)
     lengths = trainer.layout.row_lengths(rollout.attention_mask, rollout.prompt_length)
-    micro_batches = trainer.micro_batches(torch.arange(rollout.num_samples), lengths, False)
+    micro_batches = split_micro_batches(torch.arange(rollout.num_samples), lengths, trainer.config, trainer.layout,
+                                        False)
     assert len(micro_batches) > 1  # the budget splits the update
     for micro in micro_batches:
         loss, _ = micro_loss(micro, 0, total)

@@ -10,10 +10,10 @@ import torch
 from test_grpo_trainer import length_reward, small_config
 from transformers import AutoModelForTokenClassification
 
-from grpokit.checkpoint import verify_checkpoint
+from grpokit.run.checkpoint import verify_checkpoint
 from grpokit.config import PPOConfig
 from grpokit.math import gae_advantages, value_loss
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from grpokit.models.value import build_critic, token_values
 from grpokit.train.ppo import (
     PPOTrainer,

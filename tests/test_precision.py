@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from grpokit.build import load_policy
-from grpokit.checkpoint import save_checkpoint
+from grpokit.pipeline.build import load_policy
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import ConfigError, GRPOConfig, load_config
 from grpokit.data import arithmetic
 from grpokit.models.loading import load_model_and_tokenizer
@@ -22,7 +22,7 @@ from grpokit.models.sharding import mixed_precision_policy
 from grpokit.rewards import WeightedReward
 from grpokit.rollout.logprobs import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
-from grpokit.train.loop import frozen_copy
+from grpokit.models.reference import frozen_copy
 
 CPU = torch.device("cpu")
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",

@@ -16,7 +16,7 @@ from grpokit.data.answers import gsm8k_reference
 from grpokit.errors import ConfigError
 from grpokit.math import process_advantages
 from grpokit.math.registry import process_advantage
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from grpokit.rewards import WeightedReward, score_completions
 from grpokit.rewards.chain_steps import chain_steps
 from grpokit.rewards.gsm8k_steps import annotation_is_exact, gsm8k_steps
@@ -157,7 +157,7 @@ def test_each_tokens_advantage_through_eq6_from_gsm8k_steps():
     at character 15 (token 14). o1 is right: [1, 1]; o2's annotation 2*3=7 is not exact: [0, 0].
     R = {1, 1, 0, 0}: mean 1/2, unbiased std sqrt(1/3); h = (1/2) / (sqrt(1/3) + 1e-4).
     o1: tokens 0-14 carry both steps, 2h; tokens 15-21 the answer step, h. o2: -2h and -h."""
-    from grpokit.build import ASCII_ALPHABET
+    from grpokit.pipeline.build import ASCII_ALPHABET
     from grpokit.models import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(ASCII_ALPHABET)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from run_helpers import cli, start, wait_for_rows
 
 REPO = Path(__file__).resolve().parents[1]

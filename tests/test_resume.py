@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpokit.checkpoint import verify_checkpoint
-from grpokit.metrics import read_metrics
-from grpokit.runlock import RunLock
+from grpokit.run.checkpoint import verify_checkpoint
+from grpokit.run.metrics import read_metrics
+from grpokit.run.lock import RunLock
 from run_helpers import RUN, brief_sft, cli, start, wait_for_rows
 
 def comparable(rows):

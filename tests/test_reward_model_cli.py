@@ -3,12 +3,11 @@
 policy's own samples, GRPO with a reward model whose tokenizer differs, and iterative resume."""
 
 from __future__ import annotations
+import functools
 
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from transformers import (
 
 from grpokit.config import load_config
 from grpokit.rewards.learned import META_FILE
+from run_helpers import cli
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
@@ -29,12 +29,7 @@ TINY_RM = ["--reward_model.num_questions=8", "--reward_model.samples_per_questio
            "--reward_model.train_batch_size=4", "--reward_model.warmup_steps=1", "--reward_model.heldout_fraction=0.25"]
 
 
-def grpokit(*args, timeout=300, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-    if ok:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+grpokit = functools.partial(cli, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +86,11 @@ def test_train_rm_on_a_preference_file_and_its_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "Q", "chosen": "A: 1", "rejected": "A: 2"}) + "\n"
                    + json.dumps({"prompt": "Q", "chosen": "A: 1", "rejected": "A: 1"}) + "\n")
-    proc = grpokit("train-rm", "--data", str(bad), f"--output_dir={tmp_path / 'bad'}", "--quiet", *TINY, ok=False)
+    proc = grpokit("train-rm", "--data", str(bad), f"--output_dir={tmp_path / 'bad'}", "--quiet", *TINY, check=False)
     assert proc.returncode == 1 and f"{bad}:2" in proc.stderr and "rejected" in proc.stderr
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"prompt": "Q", "chosen": "A: 1"}) + "\n")
-    proc = grpokit("train-rm", "--data", str(missing), f"--output_dir={tmp_path / 'm'}", "--quiet", *TINY, ok=False)
+    proc = grpokit("train-rm", "--data", str(missing), f"--output_dir={tmp_path / 'm'}", "--quiet", *TINY, check=False)
     assert proc.returncode == 1 and f"{missing}:1" in proc.stderr and "rejected" in proc.stderr
 
 
@@ -103,7 +98,7 @@ def test_train_rm_says_so_when_graded_samples_make_no_pair(tmp_path):
     graded = tmp_path / "graded.jsonl"
     graded.write_text("".join(json.dumps({"prompt": "Q: 1+1\n", "completion": "A: 2", "correct": True})
                               + "\n" for i in range(4)))
-    proc = grpokit("train-rm", "--data", str(graded), f"--output_dir={tmp_path / 'rm'}", "--quiet", *TINY, ok=False)
+    proc = grpokit("train-rm", "--data", str(graded), f"--output_dir={tmp_path / 'rm'}", "--quiet", *TINY, check=False)
     assert proc.returncode == 1 and "no reward-model training data" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from grpokit.build import ASCII_ALPHABET
+from grpokit.pipeline.build import ASCII_ALPHABET
 from grpokit.config import RewardModelConfig, RewardModelTrainConfig
 from grpokit.data import arithmetic
 from grpokit.data.reward_data import PreferencePair, StepLabelledSample

@@ -94,7 +94,7 @@ def test_sampling_draws_from_the_whole_vocabulary():
     generate would otherwise keep only its default top 50 tokens. A model with nearly equal (but
     distinct, so a top-50 cut has no ties to keep) logits over 99 tokens, 400 draws of one token:
     about 98 distinct ones, and at most 50 with the cut."""
-    from grpokit.build import ASCII_ALPHABET
+    from grpokit.pipeline.build import ASCII_ALPHABET
     from grpokit.models import build_tiny_model
     from grpokit.models.tiny import build_char_tokenizer
 

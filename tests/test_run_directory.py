@@ -2,19 +2,20 @@
 --resume on a finished run, unwritable directories; and what a run leaves (SFT's metrics, the
 `latest` link, progress in logs). Real commands in subprocesses."""
 
+import functools
 import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from grpokit.checkpoint import CheckpointManager
-from grpokit.progress import LogLines, progress
-from grpokit.rundir import default_run_dir, latest_default_run_dir
+from grpokit.run.checkpoint import CheckpointManager
+from grpokit.run.progress import LogLines, progress
+from grpokit.run.directory import default_run_dir, latest_default_run_dir
+from run_helpers import cli
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_sft_examples=32", "--num_rl_questions=16",
@@ -23,13 +24,7 @@ TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tin
         "--max_completion_length=8", "--eval.tir=false"]
 
 
-def grpokit(*args, cwd=None, expect=0, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    if expect:
-        assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
+grpokit = functools.partial(cli, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
 
 
 @pytest.fixture(scope="module")

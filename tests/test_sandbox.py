@@ -1,4 +1,4 @@
-"""grpokit.sandbox against hostile programs: each test runs a real program and checks that the
+"""grpokit.tools.sandbox against hostile programs: each test runs a real program and checks that the
 harness survives, the deadline holds, and nothing outside the sandbox changed.
 
 Tests marked `namespaced` need working user namespaces and skip, with the reason, where
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpokit import sandbox
-from grpokit.sandbox import SandboxResult, namespace_problem, namespaces_available, run_many, run_python
+from grpokit.tools import sandbox
+from grpokit.tools.sandbox import SandboxResult, namespace_problem, namespaces_available, run_many, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 # Start-up of unshare and two interpreters, plus the drain grace, on a busy machine.

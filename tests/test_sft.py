@@ -133,7 +133,7 @@ def test_packing_check_rejects_attention_that_mixes_examples(tiny_model, tokeniz
 
 def demo_policy(dtype: str):
     """The demo's own pi_SFT-to-be, built as `grpokit demo --model.dtype=...` builds it (fp32 master weights)."""
-    from grpokit.build import load_policy
+    from grpokit.pipeline.build import load_policy
     from grpokit.cli import DEMO_PRESET
     from grpokit.config import load_config
 
@@ -256,7 +256,7 @@ def test_sft_never_trains_on_tool_output_its_gradient_there_is_zero():
 
 def test_sft_masks_tool_output_by_default_and_the_key_keeps_the_old_behaviour():
     from grpokit.config import load_config
-    from grpokit.stages import _demonstration_tool_spans
+    from grpokit.pipeline.stages import _demonstration_tool_spans
 
     spans = _demonstration_tool_spans(load_config(None, []))
     assert spans("```output\n4\n```\nA: 4") == [(9, 16)]
@@ -269,7 +269,7 @@ def test_sft_with_lora_trains_adapters_over_a_saved_model_and_the_tiny_model_who
     without files to load an adapter with, trains whole as before."""
     from safetensors.torch import load_file
 
-    from grpokit.checkpoint import save_checkpoint
+    from grpokit.run.checkpoint import save_checkpoint
     from grpokit.models import build_char_tokenizer, load_model_and_tokenizer
     from run_helpers import cli
 

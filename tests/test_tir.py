@@ -8,23 +8,18 @@ from hypothesis import strategies as st
 
 from grpokit.eval.tir import (
     COT_INSTRUCTION,
-    OUTPUT_STOP,
     TIR_INSTRUCTION,
     build_prompt,
-    cumulative_program,
     final_answer,
-    format_tool_output,
-    last_python_block,
     plain_chat,
-    python_blocks,
-    shorten,
     Timings,
     rollouts,
 )
+from grpokit.tools.python import OUTPUT_STOP, cumulative_program, format_tool_output, last_python_block, python_blocks, shorten
 from grpokit.models import build_char_tokenizer
-from grpokit.build import ASCII_ALPHABET
+from grpokit.pipeline.build import ASCII_ALPHABET
 from grpokit.rollout import Continuation, SamplingParams
-from grpokit.sandbox import SandboxResult
+from grpokit.tools.sandbox import SandboxResult
 from grpokit.tools.python import PythonTool
 
 

@@ -341,7 +341,7 @@ def test_a_failed_sample_gets_no_reward_and_no_loss_and_the_run_goes_on(tool_mod
 
 
 def test_steps_of_nothing_but_failed_samples_stop_the_run_naming_the_tool(tool_model, tir_tokenizer, tmp_path):
-    from grpokit.train.loop import RewardFailure
+    from grpokit.train.failures import RewardFailure
 
     tok = tir_tokenizer
     engine = ToolEngine(IdScript(tok, {"Q: 1\n": [char_ids(tok, "<<10>>")] * 4}), tok, Exploding(), max_tool_calls=2)
@@ -631,8 +631,8 @@ def program_writer(tmp_path_factory):
     """A tiny Llama with a printable-ASCII tokenizer taught to answer each GSM8K_ROWS question, in
     either prompt (DeepSeekMath's, in the bare layout training renders), with TIR_REPLY: a program,
     its output block and a boxed answer. Saved in hub format."""
-    from grpokit.build import ASCII_ALPHABET
-    from grpokit.checkpoint import save_checkpoint
+    from grpokit.pipeline.build import ASCII_ALPHABET
+    from grpokit.run.checkpoint import save_checkpoint
     from grpokit.data.templates import instruction_text, plain_text
 
     tok = build_char_tokenizer(ASCII_ALPHABET)

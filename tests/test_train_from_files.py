@@ -1,19 +1,19 @@
 """`grpokit train CONFIG.yaml` end to end on a tiny local checkpoint and GSM8K-format data that
 the test writes, with the math-verify reward; the output reloads with transformers."""
 
+import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpokit.build import ASCII_ALPHABET
-from grpokit.checkpoint import save_checkpoint, verify_checkpoint
+from grpokit.pipeline.build import ASCII_ALPHABET
+from grpokit.run.checkpoint import save_checkpoint, verify_checkpoint
 from grpokit.config import load_config
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 from grpokit.models import build_char_tokenizer, build_tiny_model
+from run_helpers import cli
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_ROWS = [
@@ -27,11 +27,7 @@ GSM8K_ROWS = [
 ]
 
 
-def grpokit(*args, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+grpokit = functools.partial(cli, cwd=REPO)
 
 
 def test_train_from_a_yaml_config_on_gsm8k_format_data(tmp_path):

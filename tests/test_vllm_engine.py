@@ -258,7 +258,7 @@ TEXT_PROMPTS = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
 def _text_policy():
     """A printable-ASCII tokenizer (transformers' stop_strings need letters) and a policy a few steps
     toward varied text without EOS after TEXT_PROMPTS, so greedy decoding writes more than one character."""
-    from grpokit.build import ASCII_ALPHABET
+    from grpokit.pipeline.build import ASCII_ALPHABET
 
     tokenizer = build_char_tokenizer(ASCII_ALPHABET)
     texts = [p + "so the sum is 3; ok" for p in TEXT_PROMPTS]

@@ -141,7 +141,7 @@ def test_a_vllm_failure_in_grpokit_eval_names_the_completions_kept_and_how_to_co
     """`grpokit eval --engine vllm` (2 questions a chunk, greedy and k=2 samples each): vLLM raises in the
     second chunk; one line names the engine, its error, how many answers are kept where, and that a rerun
     continues; the rerun answers only the other two."""
-    from grpokit.build import ASCII_ALPHABET
+    from grpokit.pipeline.build import ASCII_ALPHABET
     from grpokit.models import build_char_tokenizer
 
     ascii_tokenizer = build_char_tokenizer(ASCII_ALPHABET)

@@ -12,7 +12,7 @@ from importlib import resources
 from grpokit import distributed
 from grpokit.bench.cost import main as cost_main
 from grpokit.bench.memory import main as memory_main
-from grpokit.checkpoint import CheckpointError
+from grpokit.run.checkpoint import CheckpointError
 from grpokit.config import Config, ConfigError, describe, load_config
 from grpokit.data.files import DatasetError
 from grpokit.distributed import PeerFailure
@@ -20,8 +20,8 @@ from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
 from grpokit.models.loading import ModelNotFound, check_model_config
 from grpokit.rewards.registry import reward_names
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
-from grpokit.rundir import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, default_run_dir, latest_default_run_dir
-from grpokit.runlock import RunDirectoryLocked, RunDirectoryUnwritable
+from grpokit.run.directory import NEW, OVERWRITE, RunComplete, RunDirectoryInUse, default_run_dir, latest_default_run_dir
+from grpokit.run.lock import RunDirectoryLocked, RunDirectoryUnwritable
 from grpokit.tasks.registry import task_names
 
 # The training stack (stages, train, eval and what only they use) is imported where a command
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return bench(argv[1:])  # its own usage, --help included
     if argv[:1] == ["rollout-worker"]:
-        from grpokit.rollout_worker import main as worker_main  # see the imports at the top
+        from grpokit.pipeline.rollout_worker import main as worker_main  # see the imports at the top
 
         return worker_main(argv[1:])
     if argv[:1] == ["convert-gguf"]:
@@ -254,7 +254,7 @@ def choose_run_dir(args, config) -> None:
 
 def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
-    from grpokit.train.loop import NonFiniteTraining, RewardFailure  # see the imports at the top
+    from grpokit.train.failures import NonFiniteTraining, RewardFailure  # see the imports at the top
     from grpokit.train.reward_model import RewardModelDataError
     from grpokit.rollout.wire import RolloutWorkerError
 
@@ -265,7 +265,7 @@ def _expected_errors() -> tuple[type[Exception], ...]:
 
 def _run(args, config) -> int:
     """Run the command; under torchrun, in a process group (every process runs this same code)."""
-    from grpokit import stages  # see the imports at the top
+    from grpokit.pipeline import stages  # see the imports at the top
 
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "

@@ -13,13 +13,14 @@ Backend: nccl when CUDA is visible, gloo on the CPU. Every collective has a dead
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 import sys
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from grpokit.seeds import derive_seed
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -105,7 +106,7 @@ def process_seed(seed: int) -> int:
     r = rank()
     if r == 0:
         return seed
-    return int.from_bytes(hashlib.blake2b(f"{seed}/rank/{r}".encode(), digest_size=4).digest(), "little")
+    return derive_seed(seed, "rank", r)
 
 
 def _collective(op, what: str):

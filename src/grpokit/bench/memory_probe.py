@@ -34,11 +34,13 @@ from grpokit import distributed
 from grpokit.config import GRPOConfig, LoraConfig, SFTConfig
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model
-from grpokit.models.loading import resolve_device, resolve_dtype
+from grpokit.models.loading import resolve_device
+from grpokit.models.precision import resolve_dtype
 from grpokit.models.lora import apply_lora
 from grpokit.models.sharding import shard_model
 from grpokit.rewards import WeightedReward
-from grpokit.train.grpo import GRPOTrainer, frozen_copy
+from grpokit.models.reference import frozen_copy
+from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.sft import TokenizedExamples, train_on_examples
 from grpokit.types import Rollout
 

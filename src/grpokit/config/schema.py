@@ -14,11 +14,14 @@ from typing import Any, Literal, Optional
 
 import pydantic
 
-from grpokit.loggers import TrackerError, check_trackers
+from grpokit.data.arithmetic import ChainSpec
+from grpokit.run.loggers import TrackerError, check_trackers
 from grpokit.math import registry
 from grpokit.rewards.registry import reward_function
 from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
 from grpokit.tools import TOOLS  # the package import registers every tool
+
+_CHAIN = ChainSpec()
 
 
 def _is_address(text: str) -> bool:
@@ -50,18 +53,33 @@ def _refusal(check: Callable[[], object], prefix: str = "") -> list[str]:
     return []
 
 
+def _interval_test(interval: str) -> Callable[[float], bool]:
+    """The test for membership of an interval written as "[0, 1)", "(0, 1]", ..."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    above = (lambda v: v >= low) if interval[0] == "[" else (lambda v: v > low)
+    below = (lambda v: v <= high) if interval[-1] == "]" else (lambda v: v < high)
+    return lambda v: above(v) and below(v)
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
 def _bounds(section, key: str, positive: tuple[str, ...] = (), counts: tuple[str, ...] = (),
-            non_negative: tuple[str, ...] = ()) -> list[tuple[bool, str]]:
+            non_negative: tuple[str, ...] = (), within: dict[str, str] | None = None) -> list[tuple[bool, str]]:
     """(ok, message) for the fields of `section` (at dotted `key`) that only make sense above 0 (a
     rate, a clipping norm, a sampling temperature), the counts of steps, rows or samples (where 0
-    would mean nothing runs), and those where 0 is meaningful (no warm-up, no decay) but a negative
-    value is not."""
-    bounds = [(positive, "> 0", lambda v: v > 0), (counts, ">= 1", lambda v: v >= 1),
-              (non_negative, ">= 0", lambda v: v >= 0)]
+    would mean nothing runs), those where 0 is meaningful (no warm-up, no decay) but a negative
+    value is not, and those `within` an interval ("[0, 1)"). An unset (None) field passes. A bound
+    whose message must say what a value means ("0 = off") is written out beside the call instead."""
+    rules = [(name, "be > 0", lambda v: v > 0) for name in positive]
+    rules += [(name, "be >= 1", lambda v: v >= 1) for name in counts]
+    rules += [(name, "be >= 0", lambda v: v >= 0) for name in non_negative]
+    rules += [(name, f"lie in {interval}", _interval_test(interval)) for name, interval in (within or {}).items()]
     defaults = type(section)()
-    return [(test(getattr(section, name)), f"{key}.{name} must be {bound}, got {getattr(section, name):g} (the "
-                                           f"default is {getattr(defaults, name):g})")
-            for names, bound, test in bounds for name in names]
+    return [(getattr(section, name) is None or test(getattr(section, name)),
+             f"{key}.{name} must {rule}, got {_shown(getattr(section, name))} (the default is "
+             f"{_shown(getattr(defaults, name))})") for name, rule, test in rules]
 
 
 @dataclass
@@ -89,8 +107,8 @@ class LoraConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules: a message for each value that cannot work."""
         yield from failed([
-            (self.r >= 0, f"model.lora.r must be >= 0 (0 = off), got {self.r}"),
-            (0 <= self.dropout < 1, f"model.lora.dropout must lie in [0, 1), got {self.dropout}"),
+            *_bounds(self, "model.lora", within={"dropout": "[0, 1)"}),
+            (self.r >= 0, f"model.lora.r must be >= 0 (0 = off), got {self.r}"),  # with what 0 means
             (self.r == 0 or bool(self.target_modules),
              "model.lora.target_modules must name at least one module (or ['all-linear'])"),
         ])
@@ -133,20 +151,21 @@ class DistributedConfig:
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
-        return failed([(self.timeout_s > 0, f"distributed.timeout_s must be > 0, got {self.timeout_s}")])
+        return failed(_bounds(self, "distributed", positive=("timeout_s",)))
 
 
 @dataclass
 class TaskConfig:
+    # the chain task's shape defaults to data.arithmetic.ChainSpec's: one source for both
     name: str = opt("auto", "the task: auto (math when data names any sources, else chain), a registered task, "
                             "or your own as 'package.module:ClassName'; the task's own reward (auto's too) replaces "
                             "the default rewards")
-    min_ops: int = opt(3, "fewest operations in a chain question")
-    max_ops: int = opt(5, "most operations in a chain question")
-    max_start: int = opt(20, "largest starting number")
-    max_operand: int = opt(9, "largest number added or subtracted")
-    max_value: int = opt(20, "intermediate results stay within [0, max_value]")
-    heldout_percent: int = opt(10, "share of all questions reserved for evaluation, by a fixed hash")
+    min_ops: int = opt(_CHAIN.min_ops, "fewest operations in a chain question")
+    max_ops: int = opt(_CHAIN.max_ops, "most operations in a chain question")
+    max_start: int = opt(_CHAIN.max_start, "largest starting number")
+    max_operand: int = opt(_CHAIN.max_operand, "largest number added or subtracted")
+    max_value: int = opt(_CHAIN.max_value, "intermediate results stay within [0, max_value]")
+    heldout_percent: int = opt(_CHAIN.heldout_percent, "share of all questions reserved for evaluation, by a fixed hash")
     num_sft_examples: int = opt(4000, "demonstrations the SFT stage trains on")
     sft_direct_fraction: float = opt(0.5, "share of SFT demonstrations that give only the answer, no steps")
     num_sft_tir_examples: int = opt(500, "tool-integrated SFT demonstrations (a python program prints the answer), "
@@ -168,7 +187,7 @@ class TaskConfig:
         """This section's own rules (task.name is checked with the rewards, in grpokit.config.validation)."""
         modes = self.prompt_modes
         yield from failed([
-            (self.num_sft_tir_examples >= 0, f"task.num_sft_tir_examples must be >= 0, got {self.num_sft_tir_examples}"),
+            *_bounds(self, "task", non_negative=("num_sft_tir_examples",)),
             (set(modes) <= {"cot", "tir"}, f"task.prompt_modes takes the modes cot and tir, got {sorted(modes)}"),
             (all(share >= 0 for share in modes.values()) and sum(modes.values()) > 0,
              f"task.prompt_modes' shares must be >= 0 and not all 0, got {modes}"),
@@ -215,8 +234,7 @@ class DataConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            (self.max_prompt_length >= 0, f"data.max_prompt_length must be >= 0, got {self.max_prompt_length}"),
-            (0 <= self.heldout_fraction < 1, "data.heldout_fraction must lie in [0, 1)"),
+            *_bounds(self, "data", non_negative=("max_prompt_length",), within={"heldout_fraction": "[0, 1)"}),
         ])
 
 
@@ -240,10 +258,9 @@ class SFTConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            *_bounds(self, "sft", positive=("learning_rate", "max_grad_norm"), counts=("max_steps", "batch_size"),
+            *_bounds(self, "sft", positive=("learning_rate", "max_grad_norm"),
+                     counts=("max_steps", "batch_size", "max_tokens_per_micro_batch"),
                      non_negative=("warmup_steps", "weight_decay")),
-            (self.max_tokens_per_micro_batch >= 1,
-             f"sft.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"),
         ])
 
 
@@ -308,25 +325,17 @@ class GRPOConfig:
         grpo.loss_args suit the loss."""
         g = self
         yield from failed([
-            *_bounds(self, "grpo", positive=("learning_rate", "max_grad_norm"), counts=("generation_batch_size",),
-                     non_negative=("warmup_steps", "weight_decay")),
+            *_bounds(self, "grpo", positive=("learning_rate", "max_grad_norm"),
+                     counts=("generation_batch_size", "prompts_per_step", "num_iterations", "max_completion_length",
+                             "micro_batch_size", "max_failed_steps", "max_nonfinite_steps", "max_generation_rounds"),
+                     non_negative=("warmup_steps", "weight_decay", "epsilon_high", "beta", "save_steps",
+                                   "save_total_limit"),
+                     within={"top_p": "(0, 1]", "epsilon": "[0, 1)"}),
+            # bounds that say why, or depend on other fields
+            (g.temperature > 0, f"grpo.temperature must be > 0 for sampling, got {g.temperature}"),
             (g.num_generations >= 2, f"grpo.num_generations must be >= 2 to form a group, got {g.num_generations}"),
-            (g.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {g.prompts_per_step}"),
-            (g.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {g.num_iterations}"),
             (1 <= g.num_minibatches <= g.prompts_per_step * g.num_generations,
              f"grpo.num_minibatches must lie in [1, prompts_per_step x num_generations], got {g.num_minibatches}"),
-            (g.temperature > 0, f"grpo.temperature must be > 0 for sampling, got {g.temperature}"),
-            (0 < g.top_p <= 1, f"grpo.top_p must lie in (0, 1], got {g.top_p}"),
-            (0 <= g.epsilon < 1, f"grpo.epsilon must lie in [0, 1), got {g.epsilon}"),
-            (g.epsilon_high is None or g.epsilon_high >= 0, f"grpo.epsilon_high must be >= 0, got {g.epsilon_high}"),
-            (g.beta >= 0, f"grpo.beta must be >= 0, got {g.beta}"),
-            (g.max_completion_length >= 1, f"grpo.max_completion_length must be >= 1, got {g.max_completion_length}"),
-            (g.micro_batch_size >= 1, f"grpo.micro_batch_size must be >= 1, got {g.micro_batch_size}"),
-            (g.max_failed_steps >= 1, f"grpo.max_failed_steps must be >= 1, got {g.max_failed_steps}"),
-            (g.max_nonfinite_steps >= 1, f"grpo.max_nonfinite_steps must be >= 1, got {g.max_nonfinite_steps}"),
-            (g.save_steps >= 0, f"grpo.save_steps must be >= 0, got {g.save_steps}"),
-            (g.save_total_limit >= 0, f"grpo.save_total_limit must be >= 0, got {g.save_total_limit}"),
-            (g.max_generation_rounds >= 1, f"grpo.max_generation_rounds must be >= 1, got {g.max_generation_rounds}"),
         ])
         yield from _refusal(lambda: registry.check_args(registry.policy_loss(g.loss), g.loss_args, "grpo.loss_args"))
         yield from _refusal(lambda: registry.advantage(g.advantage))
@@ -348,9 +357,8 @@ class PPOConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            *_bounds(self, "ppo", positive=("critic_learning_rate",)),
-            (0 <= self.lam <= 1 and 0 <= self.gamma <= 1, "ppo.gamma and ppo.lam must lie in [0, 1]"),
-            (self.value_clip > 0, f"ppo.value_clip must be > 0, got {self.value_clip}"),
+            *_bounds(self, "ppo", positive=("critic_learning_rate", "value_clip"),
+                     within={"gamma": "[0, 1]", "lam": "[0, 1]"}),
         ])
 
 
@@ -386,8 +394,7 @@ class RewardModelTrainConfig:
         """This section's own rules."""
         return failed([
             *_bounds(self, "reward_model.train", positive=("learning_rate",), counts=("batch_size", "max_steps"),
-                     non_negative=("warmup_steps",)),
-            (0 < self.heldout_fraction < 1, "reward_model.train.heldout_fraction must lie in (0, 1)"),
+                     non_negative=("warmup_steps",), within={"heldout_fraction": "(0, 1)"}),
         ])
 
 
@@ -405,8 +412,8 @@ class RewardModelDataConfig:
         """This section's own rules."""
         return failed([
             *_bounds(self, "reward_model.data", positive=("temperature",),
-                     counts=("num_questions", "samples_per_question", "max_pairs_per_prompt")),
-            (self.hard_negatives >= 0, "reward_model.data.hard_negatives must be >= 0"),
+                     counts=("num_questions", "samples_per_question", "max_pairs_per_prompt"),
+                     non_negative=("hard_negatives",)),
         ])
 
 
@@ -422,7 +429,7 @@ class StepLabelConfig:
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
-        return failed([(self.rollouts >= 1, "reward_model.label.rollouts must be >= 1")])
+        return failed(_bounds(self, "reward_model.label", counts=("rollouts",)))
 
 
 @dataclass
@@ -459,8 +466,7 @@ class IterativeConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            (self.iterations >= 1, f"iterative.iterations must be >= 1, got {self.iterations}"),
-            (0 <= self.replay_fraction <= 1, "iterative.replay_fraction must lie in [0, 1]"),
+            *_bounds(self, "iterative", counts=("iterations",), within={"replay_fraction": "[0, 1]"}),
         ])
 
 
@@ -533,19 +539,17 @@ class RolloutConfig:
         and the keys that go with them suit them."""
         r = self
         yield from failed([
-            (r.is_cap > 0, f"rollout.is_cap must be > 0, got {r.is_cap}"),
+            *_bounds(self, "rollout", positive=("is_cap",), counts=("tensor_parallel_size", "max_tool_calls"),
+                     non_negative=("workers", "worker_threads")),
+            # bounds that say what the value means
             (r.kv_cache_gb is None or r.kv_cache_gb > 0,
              f"rollout.kv_cache_gb must be > 0 (or unset), got {r.kv_cache_gb}"),
             (0 < r.gpu_memory_utilization < 1,
              f"rollout.gpu_memory_utilization must lie in (0, 1), got {r.gpu_memory_utilization}: it is the "
              f"fraction of GPU memory vLLM takes beside training, e.g. 0.5"),
-            (r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"),
-            (r.max_tool_calls >= 1, f"rollout.max_tool_calls must be >= 1, got {r.max_tool_calls}"),
             (r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 policy versions, got {r.max_staleness}: "
                                    "0 samples each batch from the weights it updates, 2 lets a batch be 2 versions "
                                    "old"),
-            (r.workers >= 0, f"rollout.workers must be >= 0, got {r.workers}"),
-            (r.worker_threads >= 0, f"rollout.worker_threads must be >= 0, got {r.worker_threads}"),
             (r.mode == "sync" or r.workers >= 1,
              f"rollout.mode={r.mode} samples in rollout worker processes while the trainer learns: set "
              f"rollout.workers to 1 or more (e.g. --rollout.workers=1)"),
@@ -601,7 +605,7 @@ class EvalConfig:
     temperature: float = opt(0.7, "sampling temperature for pass@k / maj@k")
     batch_size: int = opt(512, "completions per generate call")
     tir: bool = opt(True, "also evaluate with tool-integrated reasoning (the built-in task: its programs run in "
-                          "grpokit.sandbox), for a CoT/TIR before/after table")
+                          "grpokit.tools.sandbox), for a CoT/TIR before/after table")
     max_tool_calls: int = opt(2, "TIR: programs a completion may run; the output of the last one ends it "
                                  "(DeepSeekMath: 2)")
     tool_timeout_s: float = opt(10.0, "TIR: wall-clock limit of each program in seconds")
@@ -609,10 +613,8 @@ class EvalConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            *_bounds(self, "eval", positive=("temperature",), counts=("batch_size",)),
-            (self.k >= 0, f"eval.k must be >= 0 (0 = greedy only), got {self.k}"),
-            (self.max_tool_calls >= 1, f"eval.max_tool_calls must be >= 1, got {self.max_tool_calls}"),
-            (self.tool_timeout_s > 0, f"eval.tool_timeout_s must be > 0, got {self.tool_timeout_s}"),
+            *_bounds(self, "eval", positive=("temperature", "tool_timeout_s"), counts=("batch_size", "max_tool_calls")),
+            (self.k >= 0, f"eval.k must be >= 0 (0 = greedy only), got {self.k}"),  # with what 0 means
         ])
 
 

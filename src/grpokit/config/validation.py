@@ -10,6 +10,7 @@ from grpokit.config.schema import Config, RewardConfig, failed
 from grpokit.errors import ConfigError
 from grpokit.rewards.process import is_process_reward
 from grpokit.rewards.registry import reward_function
+from grpokit.tasks.registry import TASKS, task_class
 
 
 def validate(config: Config) -> None:
@@ -112,10 +113,6 @@ def _is_process_reward(reward: RewardConfig) -> bool:
 
 def _named_task(config: Config):
     """The task class task.name names, None for auto; ValueError when it names none."""
-    # tasks sit above config (they import it): the one import against the layers,
-    # listed in pyproject.toml's ignore_imports; in here so that importing config does not cycle
-    from grpokit.tasks.registry import task_class
-
     return None if config.task.name == "auto" else task_class(config.task.name)
 
 
@@ -123,8 +120,6 @@ def _take_task_reward(config: Config) -> None:
     """The task's own reward replaces the default rewards (chain_accuracy, which would score its
     answers by chain's rule, zero for every GSM8K answer): a named task's, or auto's when the data names
     files (the math task). A task.name that names no task is left to _task_problems."""
-    from grpokit.tasks.registry import task_class  # the import against the layers, as in _named_task
-
     try:
         cls = task_class(config.task.resolved_name(config.data))
     except ValueError:
@@ -135,8 +130,6 @@ def _take_task_reward(config: Config) -> None:
 
 def _task_problems(config: Config) -> Iterator[str]:
     """task.name names a task, and no reward is another task's grader."""
-    from grpokit.tasks.registry import TASKS  # the import against the layers, as in _named_task
-
     try:
         cls = _named_task(config)
     except ValueError as err:

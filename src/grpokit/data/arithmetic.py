@@ -72,7 +72,7 @@ def format_tir_prompt(question: str) -> str:
 
 def format_tir_solution(question: str) -> str:
     """A tool-integrated demonstration: a program that prints the answer, its output block
-    exactly as the harness appends it (grpokit.eval.tir.format_tool_output), and the answer."""
+    exactly as the harness appends it (grpokit.tools.python.format_tool_output), and the answer."""
     answer = solve(question)[1]
     return f"```python\nprint({question})\n```\n```output\n{answer}\n```\nA: {answer}"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.checkpoint import CheckpointError, CheckpointManager
+from grpokit.run.checkpoint import CheckpointError, CheckpointManager
 from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig, load_config
 from grpokit.data.files import DatasetError, read_file_records
 from grpokit.errors import EvalError
@@ -48,17 +48,18 @@ from grpokit.eval.records import (
     writable_output_dir,
 )
 from grpokit.eval.report import MODE_TITLES, PLAIN_LAYOUT, metrics, report_markdown
-from grpokit.eval.tir import OUTPUT_STOP, Timings, TIRTrace, rollouts
+from grpokit.eval.tir import Timings, TIRTrace, rollouts
+from grpokit.tools.python import OUTPUT_STOP
 from grpokit.tools.python import PythonTool
 from grpokit.models.loading import (
     is_lora_adapter,
     load_model_and_tokenizer,
     local_weights_dir,
 )
-from grpokit.progress import progress as progress_bar
+from grpokit.run.progress import progress as progress_bar
 from grpokit.rollout import RolloutEngineError, SamplingParams, engine_spec, make_engine
-from grpokit.rundir import RUN_CONFIG
-from grpokit.sandbox import namespaces_available
+from grpokit.run.directory import RUN_CONFIG
+from grpokit.tools.sandbox import namespaces_available
 from grpokit.tasks import Task, task_for
 from grpokit.tasks.math import MathTask
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from grpokit.checkpoint import CheckpointError
+from grpokit.run.checkpoint import CheckpointError
 from grpokit.config import Config
 from grpokit.data.files import DatasetError
 from grpokit.errors import EvalError

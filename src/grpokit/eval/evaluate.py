@@ -12,11 +12,12 @@ from math import comb
 
 from grpokit import distributed
 from grpokit.config import Config
-from grpokit.eval.tir import OUTPUT_STOP, Timings, rollouts
+from grpokit.eval.tir import Timings, rollouts
+from grpokit.tools.python import OUTPUT_STOP
 from grpokit.tools.python import PythonTool
-from grpokit.progress import progress as progress_bar
+from grpokit.run.progress import progress as progress_bar
 from grpokit.rollout import HFEngine, SamplingParams, max_model_len
-from grpokit.sandbox import namespaces_available
+from grpokit.tools.sandbox import namespaces_available
 
 
 @dataclass
@@ -53,7 +54,7 @@ class TIRResult:
     seconds: float
     generate_seconds: float
     tool_seconds: float
-    isolated: bool  # whether the programs ran in namespaces (no network); see grpokit.sandbox
+    isolated: bool  # whether the programs ran in namespaces (no network); see grpokit.tools.sandbox
     stop_reasons: dict[str, int] = field(default_factory=dict)
     completions: list[str] = field(default_factory=list, repr=False)
     correct: list[bool] = field(default_factory=list, repr=False)  # each completion's verdict
@@ -108,7 +109,7 @@ def evaluate(
 
     rows: dicts with "prompt" and `answer_key`. A completion is correct when its extracted
     answer is `equivalent` to the reference, or by `grade(rows, completions)` when given (a
-    verifier such as math-verify); maj@k votes over the extracted answers. `bar` (grpokit.progress)
+    verifier such as math-verify); maj@k votes over the extracted answers. `bar` (grpokit.run.progress)
     advances by one per question generated, greedily and then k times.
     """
     if not rows:
@@ -167,7 +168,7 @@ def evaluate_tir(
     bar=None,
 ) -> TIRResult:
     """Greedy tool-integrated reasoning: each row's "prompt" is generated from until the model
-    writes "```output", its program runs in grpokit.sandbox, the output is appended, and
+    writes "```output", its program runs in grpokit.tools.sandbox, the output is appended, and
     generation goes on, for at most `max_tool_calls` calls, `max_new_tokens` bounding the whole
     completion, tool output included: the multi-turn rollout RL samples with (eval/tir.py). A
     completion is right when its extracted answer equals the row's reference as a string."""

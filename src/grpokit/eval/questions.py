@@ -15,7 +15,7 @@ from grpokit.config import DataSource
 from grpokit.data.files import DatasetError, Fixes, read_file_records
 from grpokit.data.sources import FORMAT_COLUMNS, detect_format, load_source, reference_answer, say_skipped
 from grpokit.errors import EvalError
-from grpokit.rewards.answers import final_answers
+from grpokit.data.answers import final_answers
 
 # Where a question and its reference live when the file is neither GSM8K- nor MATH-shaped.
 QUESTION_COLUMNS = ("question", "problem", "prompt")

@@ -12,20 +12,18 @@ TIR completions and `grpokit eval`'s are the same tokens.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from grpokit.seeds import derive_seed
 from grpokit.data.answers import final_answer
 from grpokit.data.templates import COT_INSTRUCTION, TIR_INSTRUCTION, instruction_text, plain_text
 from grpokit.rollout.multi_turn import check_engine, multi_turn_rollout
 from grpokit.rollout.sampler import SamplingParams
 from grpokit.tools import Tool, ToolOutput
-# program assembly and output blocks are the Python tool's; eval and its tests read them from here too
-from grpokit.tools.python import (OUTPUT_STOP, PythonTool, cumulative_program, format_tool_output,  # noqa: F401
-                                  last_python_block, python_blocks, shorten, tool_output)
+from grpokit.tools.python import PythonTool
 
 INSTRUCTIONS = {"cot": COT_INSTRUCTION, "tir": TIR_INSTRUCTION}
 
@@ -73,8 +71,7 @@ def prompt_seeds(seed: int, prompts: Sequence[str]) -> list[int]:
     seen: Counter = Counter()
     seeds = []
     for prompt in prompts:
-        digest = hashlib.blake2b(f"{seed}/{seen[prompt]}/{prompt}".encode(), digest_size=4).digest()
-        seeds.append(int.from_bytes(digest, "little"))
+        seeds.append(derive_seed(seed, seen[prompt], prompt))
         seen[prompt] += 1
     return seeds
 

@@ -1,5 +1,5 @@
 """Where a checkpoint's pieces lie in a run directory: `step-N` directories, the `latest` pointer
-and the fp32 master/ weights. Model loading reads them (a checkpoint is a model); grpokit.checkpoint,
+and the fp32 master/ weights. Model loading reads them (a checkpoint is a model); grpokit.run.checkpoint,
 above, writes them."""
 
 from __future__ import annotations

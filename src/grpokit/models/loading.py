@@ -15,13 +15,12 @@ from grpokit.models.checkpoint_dirs import master_weights_dir
 from grpokit.models.end_of_turn import use_end_of_turn_eos
 from grpokit.models.gguf import convert_command, gguf_files, is_gguf_only_dir
 from grpokit.models.model_files import (  # ModelNotFound, DamagedModelFile: raised here, caught by the CLI
-    DamagedModelFile,  # noqa: F401
     ModelNotFound,
     check_loading_info,
     check_model_files,
     describe_load_failure,
 )
-from grpokit.models.precision import resolve_dtype, resolve_precision, set_compute_dtype
+from grpokit.models.precision import resolve_precision, set_compute_dtype
 
 
 class DeviceUnavailable(ConfigError):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from grpokit.errors import ConfigError
+from grpokit.models.wrapping import is_sharded
 
 # The attribute a model carries its compute dtype in (set by `set_compute_dtype`); copies made
 # with copy.deepcopy keep it.
@@ -88,8 +89,6 @@ def compute_autocast(model: torch.nn.Module):
     """A context for running `model`'s forward: `torch.autocast` to the model's compute dtype when
     some of its weights are wider (fp32 master weights, LoRA adapters), else a no-op. A sharded
     (FSDP2) model casts through its MixedPrecisionPolicy instead."""
-    from grpokit.models.sharding import is_sharded  # sharding reads this module's compute dtype
-
     dtype = compute_dtype(model)
     if dtype is None or dtype == torch.float32 or is_sharded(model):
         return contextlib.nullcontext()

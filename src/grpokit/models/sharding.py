@@ -22,23 +22,9 @@ from torch.distributed.tensor import DTensor
 from grpokit import distributed
 from grpokit.errors import ConfigError
 from grpokit.models.precision import compute_dtype
+from grpokit.models.wrapping import fsdp_root, is_sharded
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
-
-
-def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward gathers the root's parameters: the model itself, or, inside a PEFT
-    wrapper, the transformers model (PEFT's generate calls that model directly, not the wrapper)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if hasattr(model, "peft_config") and callable(get_base) else model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` (its fsdp_root) was sharded by `shard_model`: every process must then make
-    the same forward calls in the same order."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(fsdp_root(model), FSDPModule)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -13,7 +13,9 @@ from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs,
                                    packed_micro_batches, position_ids_for, split_by_tokens)
 from grpokit.models.lora import is_lora, merged_state_dict
 from grpokit.models.precision import compute_dtype, in_compute_dtype, set_compute_dtype
-from grpokit.models.sharding import full_state_dict, is_sharded
+from grpokit.models.sharding import full_state_dict
+from grpokit.models.wrapping import is_sharded
+from grpokit.models.device import model_device
 
 
 def trained_dtype(policy: torch.nn.Module) -> torch.dtype:
@@ -26,7 +28,7 @@ def trained_dtype(policy: torch.nn.Module) -> torch.dtype:
 def scalar_head_from_policy(policy: torch.nn.Module, auto_class) -> torch.nn.Module:
     """`auto_class` (AutoModelForTokenClassification or ...SequenceClassification) with one output,
     the policy's backbone weights copied in and a zero `score` head, so it starts at exactly 0."""
-    device = next(policy.parameters()).device
+    device = model_device(policy)
     config = policy.config.__class__.from_dict(policy.config.to_dict())
     config.num_labels = 1
     config.problem_type = "regression"
@@ -57,7 +59,7 @@ def build_critic(policy: torch.nn.Module, init_from: str = "") -> torch.nn.Modul
     if init_from:
         critic = AutoModelForTokenClassification.from_pretrained(init_from, num_labels=1, classifier_dropout=0.0,
                                                                  dtype=trained_dtype(policy))
-        return set_compute_dtype(critic.to(next(policy.parameters()).device), compute_dtype(policy))
+        return set_compute_dtype(critic.to(model_device(policy)), compute_dtype(policy))
     return scalar_head_from_policy(policy, AutoModelForTokenClassification)
 
 
@@ -81,7 +83,7 @@ def token_values(
     them and `max_tokens` tokens, each cut to its longest row; 0 past a row's last attended token.
     With `pack`, packed rows as token_logprobs packs them (0 wherever attention_mask is 0);
     `counter` adds up the tokens computed and how many were real."""
-    device = next(critic.parameters()).device
+    device = model_device(critic)
     if pack and not attention_mask.is_meta:
         return _packed_token_values(critic, input_ids, attention_mask, prompt_length, micro_batch_size, max_tokens,
                                     budget_key, pack_width, counter)
@@ -109,7 +111,7 @@ def _packed_token_values(critic: torch.nn.Module, input_ids: torch.Tensor, atten
                          prompt_length: int, micro_batch_size: int, max_tokens: int | None, budget_key: str,
                          pack_width: int | None, counter: ComputedTokens | None) -> torch.Tensor:
     """token_values over packed rows (micro_batches.packed_inputs), scattered back to [N, T]."""
-    device = next(critic.parameters()).device
+    device = model_device(critic)
     n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
     lengths = packed_lengths(attention_mask, prompt_length)
     places, parts = [], []

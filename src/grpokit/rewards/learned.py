@@ -20,12 +20,14 @@ from typing import Literal
 
 import torch
 
-from grpokit.checkpoint import CheckpointError, master_weights_dir, save_checkpoint
+from grpokit.models.checkpoint_dirs import master_weights_dir
+from grpokit.run.checkpoint import CheckpointError, save_checkpoint
 from grpokit.data.reward_data import split_steps
 from grpokit.models.loading import resolve_device
 from grpokit.models.precision import compute_autocast, resolve_precision, set_compute_dtype
 from grpokit.models.value import scalar_head_from_policy
 from grpokit.rewards.process import StepScores, step_char_ends
+from grpokit.models.device import model_device
 
 META_FILE = "grpokit_reward_model.json"
 Kind = Literal["outcome", "process"]
@@ -193,7 +195,7 @@ class OutcomeRewardModel:
     def forward(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
         """Scores with gradients (for training): [N] float32."""
         inputs = encode(self.tokenizer, prompts, [[c] for c in completions])
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         with compute_autocast(self.model):
             out = self.model(input_ids=inputs.input_ids.to(device), attention_mask=inputs.attention_mask.to(device))
         return out.logits[:, 0].float()
@@ -228,7 +230,7 @@ class ProcessRewardModel:
     def step_logits(self, prompts: list[str], steps: list[list[str]]) -> list[torch.Tensor]:
         """Logits with gradients (for training): one [K_i] tensor per completion."""
         inputs = encode(self.tokenizer, prompts, steps)
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         with compute_autocast(self.model):
             logits = self.model(input_ids=inputs.input_ids.to(device),
                                 attention_mask=inputs.attention_mask.to(device)).logits[..., 0].float()

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from grpokit.data import arithmetic
 from grpokit.rewards import chain_steps, gsm8k_steps, math_rewards
-from grpokit.rewards.math_rewards import reward_factory  # noqa: F401  (importable from here too)
 
 RewardFunction = Callable[..., list]
 

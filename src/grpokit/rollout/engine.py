@@ -7,11 +7,11 @@ colocated vLLM engine that receives the policy's weights after every optimizer s
 
 from __future__ import annotations
 
-import hashlib
 from typing import Protocol
 
 import torch
 
+from grpokit.seeds import derive_seed
 from grpokit.errors import ConfigError
 from grpokit.rollout.registry import engine_spec, register_engine
 from grpokit.rollout.sampler import Continuation, SamplingParams, continue_ids, sample_groups
@@ -79,8 +79,7 @@ class HFEngine:
 def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generations: int) -> list[int]:
     """One seed per completion from (run seed, step, prompt index, sample index): a completion
     does not depend on which other prompts share its batch or its process."""
-    return [int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{p}/{s}".encode(), digest_size=4).digest(), "little")
-            for p in prompt_indices for s in range(num_generations)]
+    return [derive_seed(seed, step, p, s) for p in prompt_indices for s in range(num_generations)]
 
 
 def max_model_len(rollout_config, model: torch.nn.Module) -> int:

@@ -45,10 +45,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from grpokit.models.sharding import is_sharded
+from grpokit.models.wrapping import is_sharded
 from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import Continuation, SamplingParams, continue_ids, sample_groups
 from grpokit.types import Rollout
+from grpokit.models.device import model_device
 
 ENGINE = "hf_static"
 # The oldest transformers whose generate takes a user StaticCache, CompileConfig and disable_compile
@@ -179,7 +180,7 @@ class StaticCacheDecoder:
 
     def path(self, model: torch.nn.Module) -> str:
         """"compiled", "static" (uncompiled static cache) or "plain" for `model` now."""
-        device = next(model.parameters()).device
+        device = model_device(model)
         static = self.static if self.static is not None else device.type == "cuda"
         if self.failed or not static or is_sharded(model):
             return "plain"
@@ -194,7 +195,7 @@ class StaticCacheDecoder:
             _say_once("sharded", f"rollout.engine={ENGINE}: a sharded (FSDP2) policy samples with plain generate "
                                  "(its gathered weights are not the tensors a compiled graph would keep)")
         elif self.path(model) == "plain" and self.static is None:
-            _say_once("cpu", f"rollout.engine={ENGINE}: on {next(model.parameters()).device.type} it samples with "
+            _say_once("cpu", f"rollout.engine={ENGINE}: on {model_device(model).type} it samples with "
                              "plain generate (the static cache and its compiled decode step are for CUDA); the "
                              "sampler's log-probs are still reported")
 

@@ -29,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs, packed_lengths,
                                    packed_micro_batches, position_ids_for, split_by_tokens)
 from grpokit.models.precision import in_compute_dtype
-from grpokit.models.sharding import fsdp_root, is_sharded
+from grpokit.models.wrapping import fsdp_root, is_sharded
+from grpokit.models.device import model_device
 
 # transformers model types whose causal-LM forward is exactly `lm_head(decoder(...)[0])`,
 # optionally followed by `final_logit_softcapping` (applied here the same way). Others, such
@@ -103,7 +104,7 @@ def token_logprobs(
         raise ValueError(f"chunk_size={chunk_size} must be a positive number of positions")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be a positive number of rows")
-    device = next(model.parameters()).device
+    device = model_device(model)
     completion_length = input_ids.shape[1] - prompt_length
     attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
     if pack and not attention_mask.is_meta:
@@ -195,7 +196,7 @@ def _packed_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, atte
                            counter: ComputedTokens | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logprobs with the rows packed (micro_batches.packed_micro_batches): flat [N x T] log-probs
     (and entropies), scattered from each packed forward to the places padded rows would give them."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
     lengths = packed_lengths(attention_mask, prompt_length)
     places, logps, entropies = [], [], []

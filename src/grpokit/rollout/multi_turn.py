@@ -28,13 +28,13 @@ from it and the round after that.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.seeds import derive_seed
 from grpokit import distributed
 from grpokit.rollout.sampler import SamplingParams, assemble_rollout, left_padded
 from grpokit.tools import Tool, ToolOutput, appended_text, check_tokenizer, run_calls, stopped_at
@@ -111,8 +111,7 @@ def round_seeds(seeds: list[int] | None, round_index: int) -> list[int] | None:
     that calls no tool is the one `generate` samples), then one per (seed, round)."""
     if seeds is None or round_index == 0:
         return seeds
-    return [int.from_bytes(hashlib.blake2b(f"{s}/round{round_index}".encode(), digest_size=4).digest(), "little")
-            for s in seeds]
+    return [derive_seed(s, f"round{round_index}") for s in seeds]
 
 
 def tool_segment(tokenizer, text: str) -> list[int]:

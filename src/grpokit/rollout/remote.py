@@ -1,6 +1,6 @@
 """The trainer's side of its rollout workers (rollout.workers; docs/async.md).
 
-The trainer listens on a TCP store (rollout.worker_address). Each worker (rollout_worker.py,
+The trainer listens on a TCP store (rollout.worker_address). Each worker (pipeline/rollout_worker.py,
 spawned here or started elsewhere with `grpokit rollout-worker --connect HOST:PORT --index I`)
 reads the run's config from it, builds its own engine, and then, in a loop, takes the next task
 the trainer queued for it (a batch's share of prompts, their seeds, the policy version to sample
@@ -32,6 +32,7 @@ from grpokit.rollout.schedule import worker_shares
 from grpokit.rollout.weight_channel import WeightChannel
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode
 from grpokit.types import Rollout
+from grpokit.models.device import model_device
 
 POLL_S = 0.005  # how often a wait looks at the store again
 CHECK_S = 0.5  # how often a wait looks at the workers' health
@@ -80,7 +81,7 @@ class RemoteRollouts:
                  model_len: int, timeout_s: float, log_dir: Path, pad_id: int):
         self.workers, self.group_size, self.pad_id = rollout_config.workers, group_size, pad_id
         self.timeout_s, self.log_dir = timeout_s, Path(log_dir)
-        self.device = next(model.parameters()).device
+        self.device = model_device(model)
         host, _, port = rollout_config.worker_address.rpartition(":")
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))

@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from grpokit.models.precision import in_compute_dtype
 from grpokit.models.sharding import gathered_for_generation
 from grpokit.types import Rollout
+from grpokit.models.device import model_device
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
     (completion_ids [N, T], completion_mask [N, T] through the first EOS or the token completing
     the first of params.stop, truncated [N] where neither came within params.max_new_tokens,
     logp [N, T]: each sampled token's log-prob as `decode` reports it, float32, or None)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     was_training = model.training
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)

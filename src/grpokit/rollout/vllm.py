@@ -72,6 +72,7 @@ from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
                                     completion_mask_and_truncation)
 from grpokit.types import Rollout
+from grpokit.models.device import model_device
 
 _INSTALL_HINT = (
     "the vLLM rollout engine needs the `vllm` package: on a CUDA machine `pip install vllm` "
@@ -563,7 +564,7 @@ def _tensor_parallel_group():
 
 def _policy_probe_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Log-probs (temperature 1, float32, on CPU) of token_ids[1:] after their prefix under `model`."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     ids = torch.tensor([token_ids], device=device)
     was_training = model.training
     model.eval()

@@ -1,14 +1,12 @@
-"""The Task interface and the choice of task from the config."""
+"""The Task interface, and the prompt modes of a task's rows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from grpokit.config import Config
 from grpokit.data.split import heldout_position
 from grpokit.errors import ConfigError
-from grpokit.tasks.registry import task_class
 
 
 @dataclass
@@ -45,12 +43,6 @@ class Task(Protocol):
 
     def report(self, result) -> dict[str, float]:
         """Task-specific rates for the before/after table (name -> value)."""
-
-
-def task_for(config: Config) -> Task:
-    """The task task.name names. "auto": the files' math questions when the config names any
-    data, else the built-in chain arithmetic."""
-    return task_class(config.task.resolved_name(config.data))(config)
 
 
 def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tokenizer) -> list[dict]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from grpokit.config import Config
 from grpokit.data import arithmetic
 from grpokit.data.answers import last_output
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from grpokit.config import Config
 
 
 def _question(row: dict) -> str:

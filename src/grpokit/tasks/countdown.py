@@ -25,11 +25,15 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-from grpokit.config import Config, ConfigError
 from grpokit.data.arithmetic import is_heldout
+from grpokit.errors import ConfigError
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from grpokit.config import Config
 
 MIN_NUMBERS, MAX_NUMBERS = 3, 4
 MAX_NUMBER = 25  # the given numbers lie in [1, MAX_NUMBER]

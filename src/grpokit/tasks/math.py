@@ -17,8 +17,8 @@ the question."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from grpokit.config import Config
 from grpokit.data.answers import final_answer, final_answers, last_output
 from grpokit.data.sources import build_rows
 from grpokit.data.split import is_heldout
@@ -26,6 +26,9 @@ from grpokit.data.templates import render_prompt
 from grpokit.rewards.math_rewards import math_accuracy
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from grpokit.config import Config
 
 
 def extract_answer(completion: str) -> str | None:

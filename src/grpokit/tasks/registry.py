@@ -4,7 +4,16 @@ also name its own task class by import path, 'package.module:ClassName', as it c
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from grpokit.rewards.registry import import_user_module, unknown_name
+from grpokit.tasks.base import Task
+
+if TYPE_CHECKING:
+    from grpokit.config import Config
 
 TASKS: dict[str, type] = {}
 
@@ -25,12 +34,16 @@ def register_task(name: str):
     return wrap
 
 
+def load_builtin_tasks() -> None:
+    """Import every module of this folder: each registers the task it defines, so a new task is
+    one new file here. Found by listing the folder, as plugins are: nothing names them."""
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{module.name}")
+
+
 def task_names() -> list[str]:
     """The names task.name takes without an import path ("auto" picks one of them)."""
-    # every task module, which registers itself; imported on use: grpokit.config loads this module,
-    # and the task modules import grpokit.config
-    import grpokit.tasks  # noqa: F401
-
+    load_builtin_tasks()
     return sorted(TASKS)
 
 
@@ -54,8 +67,11 @@ def task_class(name: str) -> type:
 
 def _missing_members(cls: type) -> list[str]:
     """The members of the Task protocol that `cls` does not define."""
-    from grpokit.tasks.base import Task  # on use, as grpokit.tasks above: it imports grpokit.config
-
     members = {*Task.__annotations__, *(n for n, v in vars(Task).items() if callable(v) and not n.startswith("_"))}
     return sorted(m for m in members if not hasattr(cls, m))
 
+
+def task_for(config: Config) -> Task:
+    """The task task.name names. "auto": the files' math questions when the config names any
+    data, else the built-in chain arithmetic."""
+    return task_class(config.task.resolved_name(config.data))(config)

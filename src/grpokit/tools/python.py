@@ -1,6 +1,6 @@
 """The Python tool of tool-integrated reasoning (TIR), as DeepSeekMath evaluates it (paper,
 Table 5): the policy writes a ```python block, then "```output"; the program runs in the
-sandbox (grpokit.sandbox) and its output block is appended:
+sandbox (grpokit.tools.sandbox) and its output block is appended:
 
     We need 2 to the 10th power.
     ```python
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from grpokit.data.templates import TIR_INSTRUCTION
-from grpokit.sandbox import SandboxResult, run_many
+from grpokit.tools.sandbox import SandboxResult, run_many
 from grpokit.tools.registry import ToolOutput, register_tool
 
 OUTPUT_STOP = "```output"

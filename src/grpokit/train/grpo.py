@@ -17,10 +17,9 @@ from grpokit.math.registry import process_advantage as registered_process_advant
 from grpokit.rewards import RewardResult, WeightedReward
 from grpokit.rewards.learned import ProcessRewardModel, policy_step_ends
 from grpokit.train.algorithm import Algorithm, Batch
-from grpokit.train.loop import NonFiniteTraining, RewardFailure, Trainer, frozen_copy, zero_std_fraction
+from grpokit.train.loop import Trainer
 
-__all__ = ["GRPO", "GRPOTrainer", "NonFiniteTraining", "RewardFailure", "frozen_copy", "step_advantages",
-           "zero_std_fraction"]
+__all__ = ["GRPO", "GRPOTrainer", "process_metrics", "step_advantages"]
 
 
 def step_advantages(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor, step_scores: list,

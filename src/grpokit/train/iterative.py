@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from grpokit.checkpoint import save_checkpoint
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import IterativeConfig, RewardModelConfig
 from grpokit.data.reward_data import write_jsonl
 from grpokit.rewards.learned import RewardModelInfo, save_reward_model

@@ -19,11 +19,13 @@ from grpokit import distributed
 from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.math import gae_advantages, kl_k3, value_loss
 from grpokit.micro_batches import RowLayout, attended_ends
-from grpokit.models.sharding import (full_state_dict, is_sharded, load_full_state_dict, load_optimizer_state,
-                                     local_tensors, shard_model)
+from grpokit.models.sharding import (full_state_dict, load_full_state_dict, load_optimizer_state, local_tensors,
+                                     shard_model)
+from grpokit.models.wrapping import is_sharded
 from grpokit.models.value import build_critic, token_values
 from grpokit.train.algorithm import Algorithm, Batch, Update
-from grpokit.train.loop import Trainer, same_attention
+from grpokit.train.loop import Trainer
+from grpokit.train.packing import same_attention
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.types import Rollout
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from grpokit.progress import progress as progress_bar
+from grpokit.run.progress import progress as progress_bar
 
 from grpokit.config import RewardModelConfig
 from grpokit.data.reward_data import (

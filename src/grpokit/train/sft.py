@@ -31,9 +31,10 @@ from grpokit.config import ConfigError, SFTConfig
 from grpokit.micro_batches import pack_rows, split_by_tokens
 from grpokit.models.precision import compute_dtype
 from grpokit.models.sharding import grad_norm_value
-from grpokit.progress import progress as progress_bar
+from grpokit.run.progress import progress as progress_bar
 from grpokit.rollout.logprobs import attended_ends, labelled_logprobs
 from grpokit.train.schedule import make_optimizer, warmup_cosine
+from grpokit.models.device import model_device
 
 IGNORE = -100  # label of prompt and padding tokens: no loss there
 
@@ -162,7 +163,7 @@ def accumulate_gradients(model, batch: dict[str, torch.Tensor], max_tokens: int,
     batch's token count (over all processes), so the accumulated gradient is the one-forward
     gradient whatever the budget. The head's logits exist one tile at a time (labelled_logprobs).
     Returns the batch's mean loss, detached, the same on every process."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     count = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum()).to(device)
     total = torch.zeros((), device=device)
     for _, inputs, labels in micro_batches(batch, max_tokens, lockstep):
@@ -193,7 +194,7 @@ def forward_dtype(model) -> torch.dtype:
 @torch.no_grad()
 def target_logprobs(model, batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False) -> torch.Tensor:
     """[rows, width - 1] float32 log-prob of each labelled next token (0 elsewhere), on the CPU."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     labels = batch["labels"]
     out = torch.zeros(labels.shape[0], labels.shape[1] - 1)
     for rows, inputs, micro_labels in micro_batches(batch, max_tokens, lockstep):

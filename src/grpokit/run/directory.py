@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from grpokit.checkpoint import LATEST, step_number
+from grpokit.models.checkpoint_dirs import LATEST, step_number
 
 RUNS_ROOT = Path("runs")
 NEW, OVERWRITE, CLAIMED = "new", "overwrite", "claimed"  # a fresh run's claim on its directory

@@ -10,7 +10,7 @@ from pathlib import Path
 from grpokit import distributed
 from grpokit.config import Config
 from grpokit.eval.plots import plot_reward_curve
-from grpokit.metrics import read_metrics
+from grpokit.run.metrics import read_metrics
 
 
 STAGES = (("sft_seconds", "sft"), ("eval_before_seconds", "eval before"), ("reward_model_seconds", "reward model"),

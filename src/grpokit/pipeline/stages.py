@@ -27,25 +27,25 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from grpokit import distributed
-from grpokit.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
-from grpokit.checkpoint import save_checkpoint
+from grpokit.pipeline.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
+from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import Config, ConfigError, check_world_size, to_dict
 from grpokit.data.files import DatasetError, filter_long_prompts
 from grpokit.data.reward_data import write_jsonl
 from grpokit.data.sniff import reward_model_examples
 from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
 from grpokit.eval.plots import plot_loss_curve
-from grpokit.metrics import MetricsWriter, NullWriter, read_metrics
+from grpokit.run.metrics import MetricsWriter, NullWriter, read_metrics
 from grpokit.models.loading import local_weights_dir
 from grpokit.models.lora import apply_lora, is_lora, load_lora, parameter_counts
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
-from grpokit.report import report_results, stage_times
-from grpokit.resume import keep_rounds, resume_point
+from grpokit.pipeline.report import report_results, stage_times
+from grpokit.pipeline.resume import keep_rounds, resume_point
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, max_model_len, run_max_model_len
 from grpokit.rollout.remote import RemoteRollouts
-from grpokit.rundir import CLAIMED, NEW, claim_run_dir
-from grpokit.runlock import RunLock
+from grpokit.run.directory import CLAIMED, NEW, claim_run_dir
+from grpokit.run.lock import RunLock
 from grpokit.rollout.multi_turn import ToolEngine
 from grpokit.tasks import task_for
 from grpokit.tasks.base import with_prompt_modes
@@ -53,8 +53,8 @@ from grpokit.tools import make_tool
 from grpokit.eval.evaluate import evaluate_task
 from grpokit.eval.questions import write_heldout
 from grpokit.eval.records import write_heldout_completions
-from grpokit.train.grpo import frozen_copy
-from grpokit.train.loop import sampling_params
+from grpokit.models.reference import frozen_copy
+from grpokit.train.sampling import sampling_params
 from grpokit.train.iterative import rm_headline, run_iterations
 from grpokit.train.reward_model import (
     evaluate_reward_model,

@@ -12,9 +12,9 @@ from pathlib import Path
 import yaml
 
 from grpokit import distributed
-from grpokit.checkpoint import CheckpointError, find_resume_checkpoint, saved_world_size
+from grpokit.run.checkpoint import CheckpointError, find_resume_checkpoint, saved_world_size
 from grpokit.config import Config, ConfigError, resume_differences, to_dict
-from grpokit.rundir import check_not_complete
+from grpokit.run.directory import check_not_complete
 from grpokit.train.iterative import latest_iteration
 
 

@@ -236,7 +236,7 @@ class _Isolation:
                 return
             self._warned = True
         warnings.warn(
-            f"grpokit.sandbox: programs run WITHOUT network, PID and filesystem isolation ({self.problem}). "
+            f"grpokit.tools.sandbox: programs run WITHOUT network, PID and filesystem isolation ({self.problem}). "
             "To isolate them, install util-linux's `unshare` and allow unprivileged user namespaces "
             "(sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces>0; on Ubuntu also "
             "kernel.apparmor_restrict_unprivileged_userns=0).",

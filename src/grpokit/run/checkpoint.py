@@ -29,10 +29,11 @@ from pathlib import Path
 
 from grpokit import distributed
 from grpokit.models import checkpoint_dirs
-from grpokit.models.checkpoint_dirs import LATEST, MASTER_DIR, master_weights_dir, step_number
+from grpokit.models.checkpoint_dirs import LATEST, MASTER_DIR
 from grpokit.models.lora import is_lora
 from grpokit.models.precision import compute_dtype, compute_dtype_state
-from grpokit.models.sharding import full_state_dict, is_sharded
+from grpokit.models.sharding import full_state_dict
+from grpokit.models.wrapping import is_sharded
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"

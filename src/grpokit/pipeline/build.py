@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from grpokit.config import Config, ConfigError, save_config, to_dict
-from grpokit.loggers import make_loggers
+from grpokit.run.loggers import make_loggers
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device

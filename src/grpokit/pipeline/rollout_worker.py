@@ -28,13 +28,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from grpokit.build import load_policy
+from grpokit.pipeline.build import load_policy
 from grpokit.config import Config
 from grpokit.config.loading import from_dict
 from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
 from grpokit.rollout.weight_channel import STOP, WeightChannel
 from grpokit.rollout.wire import Task, decode, encode, rollout_to_dict
 from grpokit.tools import make_tool
+from grpokit.models.device import model_device
 
 POLL_S = 0.005
 BEAT_S = 1.0
@@ -124,7 +125,7 @@ class Worker:
         self.group_size = int(setup["group_size"])
         self.params = SamplingParams(**setup["sampling"])
         self.model, self.tokenizer = load_policy(self.config, trainable=False)
-        self.device = next(self.model.parameters()).device
+        self.device = model_device(self.model)
         rollout = self.config.rollout
         self.engine = make_engine(rollout, self.model, self.tokenizer, self.config.seed, int(setup["model_len"]))
         if rollout.tool:
