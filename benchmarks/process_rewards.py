@@ -3,7 +3,7 @@ pi_SFT each: GRPO with the chain task's outcome rule (chain_accuracy, eq. 5) aga
 (chain_steps, eq. 6) and eq. 6's variants.
 
     python benchmarks/process_rewards.py --seeds 0,1,2 [--out runs/process] [--jobs 2] [--steps 150]
-                                         [--sft-from runs/seed{seed}] [--set KEY=VALUE ...]
+                                         [--arms outcome,process] [--sft-from runs/seed{seed}] [--set KEY=VALUE ...]
 
 For each seed, pi_SFT is the --sft-from run's checkpoints/sft (a plain `grpokit demo --seed S` run), or,
 without --sft-from, one `grpokit demo --stages=[sft]` run into OUT/sft-s{seed}. Every arm below then runs
@@ -19,7 +19,8 @@ grpo.num_generations, the demo's 16 x 8 unless --set changes them), so they comp
 
 Each arm saves a checkpoint every --steps/4 steps; those at 25%, 50% and 75% are evaluated greedily on
 the run's held-out questions (`grpokit eval`), the end with the demo's own evaluation: greedy, maj@k and
-pass@k (eval.k, 8). Prints one Markdown table, then how many seeds each process arm's final greedy
+pass@k (eval.k, 8). --arms runs some of them (outcome always: every other arm is measured
+against it); a later run with more arms reuses the finished ones. Prints one Markdown table, then how many seeds each process arm's final greedy
 accuracy is at least the outcome arm's. --set KEY=VALUE (repeatable) passes a config override to every
 run, the SFT run included: how a short check shrinks the setting.
 """
@@ -99,7 +100,7 @@ def greedy_at(run_dir: Path, step: int) -> tuple[int, float]:
     return step, results["heldout"]["cot"]["accuracy"]
 
 
-def table(seeds: list[int], done: dict, steps: int) -> list[str]:
+def table(seeds: list[int], done: dict, steps: int, arms: list[str]) -> list[str]:
     k = next(iter(done.values()))["grpo"]["k"]
     quarters = " | ".join(f"greedy {q * 25}% (step {q * save_every(steps)})" for q in QUARTERS)
     lines = [f"| seed | arm | SFT greedy | {quarters} | final greedy | maj@{k} | pass@{k} | final vs outcome |",
@@ -107,7 +108,7 @@ def table(seeds: list[int], done: dict, steps: int) -> list[str]:
     for seed in seeds:
         sft = done[(seed, "outcome")]["sft_accuracy"]
         baseline = done[(seed, "outcome")]["grpo_accuracy"]
-        for arm in ARMS:
+        for arm in arms:
             s = done[(seed, arm)]
             at = " | ".join(f"{s['greedy_at'][q][1]:.1%}" for q in QUARTERS)
             versus = "—" if arm == "outcome" else f"{100 * (s['grpo_accuracy'] - baseline):+.1f} pt"
@@ -116,10 +117,10 @@ def table(seeds: list[int], done: dict, steps: int) -> list[str]:
     return lines
 
 
-def target_lines(seeds: list[int], done: dict) -> list[str]:
+def target_lines(seeds: list[int], done: dict, arms: list[str]) -> list[str]:
     """The issue's target: process >= outcome in final held-out greedy on at least 2 of 3 seeds."""
     out = []
-    for arm in ARMS:
+    for arm in arms:
         if arm == "outcome":
             continue
         wins = [s for s in seeds if done[(s, arm)]["grpo_accuracy"] >= done[(s, "outcome")]["grpo_accuracy"]]
@@ -135,20 +136,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="GRPO steps of every arm (the demo's 150)")
     parser.add_argument("--sft-from", default="", help="a plain demo run per seed, e.g. runs/seed{seed}, whose "
                                                        "pi_SFT every arm starts from; empty: train one per seed")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"which arms, of {', '.join(ARMS)}")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one thread each")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. --set grpo.prompts_per_step=4")
     args = parser.parse_args(argv)
     args.set = [f"--{item.removeprefix('--')}" for item in args.set]
     seeds = [int(s) for s in args.seeds.split(",")]
+    arms = ["outcome", *(a for a in args.arms.split(",") if a != "outcome")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"--arms: no arm {', '.join(unknown)}; the arms are {', '.join(ARMS)}")
     started = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
         sfts = dict(zip(seeds, pool.map(lambda seed: sft_checkpoint(args, seed), seeds)))
-        todo = [(seed, arm) for seed in seeds for arm in ARMS]
+        todo = [(seed, arm) for seed in seeds for arm in arms]
         done = dict(zip(todo, pool.map(lambda job: run_arm(args, job[0], job[1], sfts[job[0]]), todo)))
-    print("\n".join(table(seeds, done, args.steps)))
+    print("\n".join(table(seeds, done, args.steps, arms)))
     print()
-    print("\n".join(target_lines(seeds, done)))
+    print("\n".join(target_lines(seeds, done, arms)))
     each = ", ".join(f"{arm}-s{seed} {d['bench_seconds']:.0f}s" for (seed, arm), d in done.items())
     print(f"\nwall time {time.perf_counter() - started:.0f}s ({each})")
     return 0

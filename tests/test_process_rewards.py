@@ -352,10 +352,13 @@ def test_the_comparison_benchmark_reports_every_arm_and_the_target_per_seed():
                           "grpo": {"k": 8, "maj_at_k": 0.6, "pass_at_k": 0.9},
                           "greedy_at": {q: (q * 37, 0.1 * q) for q in bench.QUARTERS}}
             for seed in (0, 1) for arm in bench.ARMS}
-    lines = bench.table([0, 1], done, 150)
+    lines = bench.table([0, 1], done, 150, list(bench.ARMS))
     assert lines[0].startswith("| seed | arm | SFT greedy | greedy 25% (step 37) | greedy 50% (step 74) |")
     assert len(lines) == 2 + 2 * len(bench.ARMS)
     assert "| 0 | process | 30.0% | 10.0% | 20.0% | 30.0% | 55.0% | 60.0% | 90.0% | +5.0 pt |" in lines
-    targets = bench.target_lines([0, 1], done)
+    targets = bench.target_lines([0, 1], done, list(bench.ARMS))
     assert targets[0] == "- process ≥ outcome (final greedy) on 1 of 2 seeds (0)"
     assert len(targets) == len(bench.ARMS) - 1
+    # some arms only (--arms): their rows and targets, outcome first
+    assert len(bench.table([0, 1], done, 150, ["outcome", "process"])) == 2 + 2 * 2
+    assert bench.target_lines([0, 1], done, ["outcome", "process"]) == targets[:1]
