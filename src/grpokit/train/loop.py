@@ -96,7 +96,7 @@ class Trainer(Checkpointing):
         if config.prompts_per_step % self.world_size:
             raise ValueError(f"grpo.prompts_per_step={config.prompts_per_step} does not split into whole groups "
                              f"over {self.world_size} processes; make it a multiple of the world size")
-        self.dataset, self.config = dataset, config
+        self.config = config
         self.progress = progress and distributed.is_main()
         self.run_dir = Path(run_dir)
         if ref_model is None and config.beta > 0:  # LoRA: the base model under the adapters, no copy
@@ -104,7 +104,7 @@ class Trainer(Checkpointing):
         self.ref_model = ref_model
         self.save_merged = save_merged and is_lora(model)  # checkpoints also hold merged/ (base + adapter)
         self._gathered: dict | None = None
-        self.engine = engine if engine is not None else HFEngine(model, tokenizer)
+        engine = engine if engine is not None else HFEngine(model, tokenizer)
         self.rollout_config = rollout_config or RolloutConfig()
         # experiment trackers (report_to); metrics.jsonl is always written, by rank 0
         self.logger = (logger or NullLogger()) if distributed.is_main() else NullLogger()
@@ -124,12 +124,30 @@ class Trainer(Checkpointing):
         # process learns; otherwise this process's engine samples each step's batch
         self.prompts = PromptOrder(dataset, seed)
         self.sampler = (
-            RemoteSampler(remote, model, self.engine, self.prompts, config, self.rollout_config.staleness, self._score,
+            RemoteSampler(remote, model, engine, self.prompts, config, self.rollout_config.staleness, self._score,
                           seed, self.checkpoints.latest) if remote is not None else
-            LocalSampler(model, self.engine, self.prompts, config, self._score, seed, self.rank, self.world_size,
+            LocalSampler(model, engine, self.prompts, config, self._score, seed, self.rank, self.world_size,
                          tokenizer.pad_token_id, self.checkpoints.latest))
         self.algorithm = algorithm
         algorithm.setup(model, config, self.rollout_config)
+
+    # The rollout engine and the prompts live in the sampler and its prompt order; these read and replace
+    # them there (evaluation reads the engine; a test or a script may swap either between steps).
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.sampler.engine
+
+    @engine.setter
+    def engine(self, engine: RolloutEngine) -> None:
+        self.sampler.engine = engine
+
+    @property
+    def dataset(self) -> list[dict]:
+        return self.prompts.dataset
+
+    @dataset.setter
+    def dataset(self, dataset: list[dict]) -> None:
+        self.prompts.dataset = dataset
 
     # ------------------------------------------------------------------ the loop
 
