@@ -306,7 +306,10 @@ class VLLMEngine:
         prompts = [self._TokensPrompt(prompt_token_ids=ids) for ids in requests]
         request_params = [self._request_params(params, seed, m) for seed, m in zip(seeds, max_tokens, strict=True)]
         try:
-            outputs = self.llm.generate(prompts, sampling_params=request_params, use_tqdm=False)
+            # per-request seeds fix the samples; the trainer's global RNG (its update's permutation) must not
+            # depend on whether its engine samples in this process or in a rollout worker
+            with _global_rng_preserved():
+                outputs = self.llm.generate(prompts, sampling_params=request_params, use_tqdm=False)
         except Exception as err:  # vLLM's own failure: one line for the user, the traceback kept as the cause
             raise RolloutEngineError(f"the vLLM engine failed while sampling {len(requests)} requests "
                                      f"({type(err).__name__}: {_first_line(err)})") from err
