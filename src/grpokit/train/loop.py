@@ -110,7 +110,6 @@ class Trainer(Checkpointing):
         self.logger = (logger or NullLogger()) if distributed.is_main() else NullLogger()
         self.optimizer = make_optimizer(model, config.learning_rate, config.weight_decay)
         self.scheduler = warmup_constant(self.optimizer, config.warmup_steps)
-        self.seed = seed
         self.failures = FailureStreaks([r.name for r in rewards], config.max_failed_steps, config.max_nonfinite_steps)
         self._warned_no_signal = False
         self._pack: bool | None = None  # grpo.pack_rows, decided on the first batch (decide_packing)
@@ -126,8 +125,8 @@ class Trainer(Checkpointing):
         self.sampler = (
             RemoteSampler(remote, model, engine, self.prompts, config, self.rollout_config.staleness, self._score,
                           seed, self.checkpoints.latest) if remote is not None else
-            LocalSampler(model, engine, self.prompts, config, self._score, seed, self.rank, self.world_size,
-                         tokenizer.pad_token_id, self.checkpoints.latest))
+            LocalSampler(model, engine, self.prompts, config, self.sampling, self._score, seed, self.rank,
+                         self.world_size, tokenizer.pad_token_id, self.checkpoints.latest))
         self.algorithm = algorithm
         algorithm.setup(model, config, self.rollout_config)
 
@@ -160,7 +159,7 @@ class Trainer(Checkpointing):
         history = []
         saved_at = None
         bar = progress(total=until, initial=self.global_step, desc=self.algorithm.name, unit="step",
-                       enabled=self.progress and distributed.is_main())
+                       enabled=self.progress)
         writer = MetricsWriter(self.run_dir / "metrics.jsonl") if distributed.is_main() else NullWriter()
         with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:

@@ -80,11 +80,11 @@ class LocalSampler:
     same prompts and each samples its own contiguous whole groups."""
 
     def __init__(self, model: torch.nn.Module, engine: RolloutEngine, order: PromptOrder, config: GRPOConfig,
-                 score: Score, seed: int, rank: int, world_size: int, pad_id: int,
+                 params: SamplingParams, score: Score, seed: int, rank: int, world_size: int, pad_id: int,
                  last_checkpoint: Callable[[], Path | None]):
         self.model, self.engine, self.order, self.config, self.score, self.seed = model, engine, order, config, score, seed
-        self.rank, self.world_size, self.pad_id, self.last_checkpoint = rank, world_size, pad_id, last_checkpoint
-        self.params = sampling_params(config)
+        self.params, self.rank, self.world_size, self.pad_id = params, rank, world_size, pad_id
+        self.last_checkpoint = last_checkpoint
 
     def sample(self, step: int, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """Step `step`'s groups (0-based), scored. With grpo.dynamic_sampling (DAPO), groups whose
