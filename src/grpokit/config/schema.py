@@ -433,6 +433,33 @@ class StepLabelConfig:
 
 
 @dataclass
+class RewardModelBackboneConfig:
+    init: Literal["policy", "tiny", "checkpoint"] = opt(
+        "policy", "what a new reward model's backbone starts from: policy (pi_SFT's, as DeepSeekMath), tiny (a fresh "
+                  "built-in tiny model of the sizes below, on the policy's tokenizer) or checkpoint "
+                  "(reward_model.model.path, any causal LM: a larger pi_SFT, say)")
+    path: str = opt("", "init: checkpoint: its folder or hub id; its own tokenizer reads the completions")
+    hidden_size: int = opt(128, "init: tiny: hidden width")
+    num_layers: int = opt(4, "init: tiny: transformer blocks")
+    num_heads: int = opt(4, "init: tiny: attention heads")
+    intermediate_size: int = opt(512, "init: tiny: MLP width")
+
+    def problems(self) -> Iterator[str]:
+        """This section's own rules."""
+        return failed([
+            *_bounds(self, "reward_model.model", counts=("hidden_size", "num_layers", "num_heads", "intermediate_size")),
+            (self.init != "checkpoint" or bool(self.path),
+             "reward_model.model.init is checkpoint: set reward_model.model.path to a model folder or hub id"),
+            (self.init == "checkpoint" or not self.path,
+             f"reward_model.model.path is set but reward_model.model.init is {self.init!r}: set init to checkpoint, "
+             "or clear path"),
+            (self.init != "tiny" or self.hidden_size % max(self.num_heads, 1) == 0,
+             f"reward_model.model.hidden_size ({self.hidden_size}) must be a multiple of reward_model.model.num_heads "
+             f"({self.num_heads})"),
+        ])
+
+
+@dataclass
 class RewardModelConfig:
     kind: Literal["none", "outcome", "process"] = opt(
         "none", "learned reward: none, outcome (a scalar per completion; outcome supervision) or process "
@@ -446,6 +473,8 @@ class RewardModelConfig:
     data: RewardModelDataConfig = opt(RewardModelDataConfig, "its training data from the policy's own graded "
                                                              "samples")
     label: StepLabelConfig = opt(StepLabelConfig, "process reward model: where its step labels come from")
+    model: RewardModelBackboneConfig = opt(RewardModelBackboneConfig, "a new reward model's size and initialisation "
+                                                                      "(a trained one at reward_model.path keeps its own)")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules, then those of reward_model.train, .data and .label."""
@@ -453,7 +482,7 @@ class RewardModelConfig:
             *_bounds(self, "reward_model", counts=("batch_size",)),
             (self.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
         ])
-        for section in (self.train, self.data, self.label):
+        for section in (self.train, self.data, self.label, self.model):
             yield from section.problems()
 
 

@@ -11,10 +11,13 @@ import torch
 
 from grpokit.config import Config, ConfigError, save_config, to_dict
 from grpokit.run.loggers import make_loggers
+from grpokit.seeds import derive_seed
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device
-from grpokit.models.precision import resolve_precision, set_compute_dtype
+from grpokit.models.device import model_device
+from grpokit.models.precision import compute_dtype, resolve_precision, set_compute_dtype
+from grpokit.models.value import trained_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
 from grpokit.rewards.registry import reward_function
@@ -111,10 +114,35 @@ def verifier(config: Config, task: Task, tokenizer=None):
     return grade
 
 
+def reward_model_backbone(config: Config, policy, tokenizer):
+    """(causal LM, tokenizer) whose backbone a new reward model copies, by reward_model.model.init: the
+    policy (pi_SFT, as DeepSeekMath), a fresh tiny model on the policy's tokenizer, or a checkpoint
+    with its own tokenizer. The tiny one holds and computes in the policy's dtypes, like the policy's copy."""
+    spec = config.reward_model.model
+    if spec.init == "checkpoint":
+        m = config.model
+        model, rm_tokenizer = load_model_and_tokenizer(spec.path, m.dtype, config.reward_model.device,
+                                                       m.attn_implementation, m.trust_remote_code,
+                                                       master_dtype=m.master_dtype, chat_template="off")
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+            print(f"grpokit: reward_model.model.path {spec.path} has its own tokenizer; the reward model reads "
+                  "completions as text, re-tokenized, and step ends are mapped back to the policy's tokens",
+                  file=sys.stderr)
+        return model, rm_tokenizer
+    if spec.init == "tiny":
+        architecture = policy.config.model_type if policy.config.model_type in ("llama", "qwen2") else "llama"
+        with torch.random.fork_rng(devices=[]):  # its own seed, not the run's random stream
+            model = build_tiny_model(tokenizer, architecture, spec.hidden_size, spec.num_layers, spec.num_heads,
+                                     spec.intermediate_size, seed=derive_seed(config.seed, "reward-model"))
+        model = model.to(device=model_device(policy), dtype=trained_dtype(policy))
+        return set_compute_dtype(model, compute_dtype(policy)), tokenizer
+    return policy, tokenizer
+
+
 def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list[dict], run_dir: Path,
                        progress: bool = True, path: str | None = None, engine=None) -> RewardModelStage:
     """The reward model config.reward_model names, wrapped for training and scoring: loaded from
-    `path` (default reward_model.path), or new from the policy's backbone (then untrained)."""
+    `path` (default reward_model.path), or new (then untrained) from the backbone reward_model.model names."""
     rm = config.reward_model
     path = rm.path if path is None else path
     if path:
@@ -128,8 +156,9 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
                   "re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
         scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
     else:
-        model = new_reward_model(policy, tokenizer, rm.kind).to(resolve_device(rm.device))
-        scorer = new_scorer(model, tokenizer, rm.kind, rm)
+        backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
+        model = new_reward_model(backbone, rm_tokenizer, rm.kind).to(resolve_device(rm.device))
+        scorer = new_scorer(model, rm_tokenizer, rm.kind, rm)
     shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
     return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
                             config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
