@@ -342,6 +342,17 @@ def test_a_hung_weight_push_stops_the_run_within_the_timeout(tmp_path, sft_check
     assert "--resume" in err and "Traceback" not in err
 
 
+def test_workers_that_do_not_start_in_time_end_the_run_naming_the_key(tmp_path, sft_checkpoint):
+    """No worker ever connects: the start-up bound, not distributed.timeout_s, ends the wait."""
+    proc = start("train", f"--output_dir={tmp_path / 'run'}", f"--model.name_or_path={sft_checkpoint}", *RUN,
+                 "--rollout.mode=one_step_off", "--rollout.workers=1", "--rollout.worker_launch=external",
+                 "--rollout.worker_start_timeout_s=3", "--distributed.timeout_s=600")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "started within rollout.worker_start_timeout_s=3s (missing: ready/0)" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -546,6 +546,8 @@ class RolloutConfig:
                                               "= a free port, printed at start")
     worker_threads: int = opt(0, "torch threads of each spawned rollout worker; 0 = on CPU an equal share of the "
                                  "cores for each worker and the trainer, else torch's default")
+    worker_start_timeout_s: float = opt(600.0, "seconds the rollout workers have to start (import, load the model, "
+                                               "connect); distributed.timeout_s bounds every wait after that")
 
     @property
     def staleness(self) -> int:
@@ -568,8 +570,8 @@ class RolloutConfig:
         and the keys that go with them suit them."""
         r = self
         yield from failed([
-            *_bounds(self, "rollout", positive=("is_cap",), counts=("tensor_parallel_size", "max_tool_calls"),
-                     non_negative=("workers", "worker_threads")),
+            *_bounds(self, "rollout", positive=("is_cap", "worker_start_timeout_s"),
+                     counts=("tensor_parallel_size", "max_tool_calls"), non_negative=("workers", "worker_threads")),
             # bounds that say what the value means
             (r.kv_cache_gb is None or r.kv_cache_gb > 0,
              f"rollout.kv_cache_gb must be > 0 (or unset), got {r.kv_cache_gb}"),

@@ -81,6 +81,9 @@ class RemoteRollouts:
                  model_len: int, timeout_s: float, log_dir: Path, pad_id: int):
         self.workers, self.group_size, self.pad_id = rollout_config.workers, group_size, pad_id
         self.timeout_s, self.log_dir = timeout_s, Path(log_dir)
+        # start-up (imports, model load) may take longer than a hung worker is given later
+        self.start_timeout_s = rollout_config.worker_start_timeout_s
+        self.started = False
         self.device = model_device(model)
         host, _, port = rollout_config.worker_address.rpartition(":")
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
@@ -114,6 +117,8 @@ class RemoteRollouts:
                       f"rollout-worker --connect {self.address} --index I` with I = 0..{self.workers - 1}",
                       file=sys.stderr)
             self._await_all([f"ready/{w}" for w in range(self.workers)], starting=True)
+            self.started = True
+            self._beats = [(-1, time.monotonic())] * self.workers  # their hearts are timed from here on
             # the dtypes the workers hold each tensor in: pushes are cast to them (same config, same dtypes)
             self.dtypes = [getattr(torch, d) for d in decode(self.store.get("dtypes/0"))["dtypes"]]
             self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
@@ -173,7 +178,7 @@ class RemoteRollouts:
 
     def check_workers(self) -> None:
         """Raise RolloutWorkerError naming the first worker that reported a failure, exited, or has
-        not beaten its heart for distributed.timeout_s."""
+        not beaten its heart for distributed.timeout_s since the workers started."""
         now = time.monotonic()
         for w in range(self.workers):
             if self.store.check([f"error/{w}"]):
@@ -187,22 +192,23 @@ class RemoteRollouts:
             beat = self.store.add(f"beat/{w}", 0)
             if beat != self._beats[w][0]:
                 self._beats[w] = (beat, now)
-            elif now - self._beats[w][1] > self.timeout_s:
+            elif self.started and now - self._beats[w][1] > self.timeout_s:
                 raise RolloutWorkerError(f"{self._describe(w)} has not answered for {now - self._beats[w][1]:.0f}s "
                                          f"(distributed.timeout_s={self.timeout_s:g})")
 
     def _await_all(self, keys: list[str], starting: bool = False) -> float:
         """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited.
-        `starting`: the workers' start, which must end within distributed.timeout_s (a batch has no deadline)."""
+        `starting`: the workers' start, which must end within rollout.worker_start_timeout_s (a batch has no
+        deadline)."""
         started = time.monotonic()
         for key in keys:
             while not self.store.check([key]):
                 if time.monotonic() - self._checked > CHECK_S:
                     self._checked = time.monotonic()
                     self.check_workers()
-                if starting and time.monotonic() - started > self.timeout_s:
+                if starting and time.monotonic() - started > self.start_timeout_s:
                     raise RolloutWorkerError(f"only some of the {self.workers} rollout worker(s) started within "
-                                             f"distributed.timeout_s={self.timeout_s:g}s (missing: {key})")
+                                             f"rollout.worker_start_timeout_s={self.start_timeout_s:g}s (missing: {key})")
                 time.sleep(POLL_S)
         return time.monotonic() - started
 
