@@ -14,6 +14,11 @@ same in every row of a seed; hard negatives join the training questions only.
   balanced         process: right and wrong steps weigh equally in the loss
   hard+balanced    process: both
   3x-data-steps    3,000 questions and 1,200 steps
+  4x-data-steps    4,000 questions and 1,600 steps (the data axis of the capacity curve)
+  tiny-1x          a fresh, randomly initialised RM of the policy's shape (reward_model.model.init=tiny,
+                   hidden 128, 2 blocks): size alone, without pi_SFT's weights
+  tiny-4x          the same, hidden 256 (about 4x the policy's parameters)
+  tiny-16x         the same, hidden 512 (about 16x)
 
 Columns: the outcome RM's pairwise accuracy, over all held-out pairs and over pairs of a right
 worked solution and a wrong worked one (the pairs where only the arithmetic differs); the process
@@ -38,6 +43,10 @@ LEVERS = {
     "balanced": ["--reward_model.train.balance_step_labels=true"],
     "hard+balanced": ["--reward_model.data.hard_negatives=2", "--reward_model.train.balance_step_labels=true"],
     "3x-data-steps": ["--reward_model.data.num_questions=3000", "--reward_model.train.max_steps=1200"],
+    "4x-data-steps": ["--reward_model.data.num_questions=4000", "--reward_model.train.max_steps=1600"],
+    **{f"tiny-{scale}x": ["--reward_model.model.init=tiny", f"--reward_model.model.hidden_size={hidden}",
+                          "--reward_model.model.num_layers=2", f"--reward_model.model.intermediate_size={4 * hidden}"]
+       for scale, hidden in ((1, 128), (4, 256), (16, 512))},
 }
 PROCESS_ONLY = {"balanced", "hard+balanced"}
 
