@@ -640,11 +640,15 @@ class EvalConfig:
     max_tool_calls: int = opt(2, "TIR: programs a completion may run; the output of the last one ends it "
                                  "(DeepSeekMath: 2)")
     tool_timeout_s: float = opt(10.0, "TIR: wall-clock limit of each program in seconds")
+    every_steps: int = opt(0, "also evaluate the held-out questions greedily every this many RL steps (the learning "
+                              "curve: heldout/greedy_accuracy in metrics.jsonl and on reward_curve.png); 0 = only "
+                              "before and after")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            *_bounds(self, "eval", positive=("temperature", "tool_timeout_s"), counts=("batch_size", "max_tool_calls")),
+            *_bounds(self, "eval", positive=("temperature", "tool_timeout_s"), counts=("batch_size", "max_tool_calls"),
+                     non_negative=("every_steps",)),
             (self.k >= 0, f"eval.k must be >= 0 (0 = greedy only), got {self.k}"),  # with what 0 means
         ])
 

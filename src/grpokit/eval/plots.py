@@ -17,7 +17,8 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
                       final: float | None = None) -> Path:
     """Reward, completion length and KL per step, stacked, as a PNG.
 
-    baseline / final: held-out greedy accuracy before and after, drawn as reference lines.
+    baseline / final: held-out greedy accuracy before and after, drawn as reference lines; rows with
+    heldout/greedy_accuracy (eval.every_steps) add the held-out learning curve, from baseline to final.
     """
     panels = [
         ("reward/mean", "train reward (sampled rollouts)", "tab:blue"),
@@ -30,8 +31,22 @@ def plot_reward_curve(metrics: list[dict], path: str | Path, title: str = "GRPO"
         reward_ax.axhline(baseline, color="tab:gray", ls="--", label=f"held-out greedy accuracy, SFT: {baseline:.1%}")
     if final is not None:
         reward_ax.axhline(final, color="tab:green", ls="--", label=f"held-out greedy accuracy, after RL: {final:.1%}")
+    if any("heldout/greedy_accuracy" in r for r in metrics):
+        reward_ax.plot(*zip(*heldout_curve(metrics, baseline, final)), "o-", color="tab:green", ms=4,
+                       label="held-out greedy accuracy")
     reward_ax.set_ylim(-0.02, 1.02)
     return _save(fig, axes, path)
+
+
+def heldout_curve(metrics: list[dict], before: float | None = None, after: float | None = None
+                  ) -> list[tuple[int, float]]:
+    """(step, held-out greedy accuracy): `before` at step 0, every row's heldout/greedy_accuracy, and
+    `after` at the last step."""
+    curve = [(0, before)] if before is not None else []
+    curve += [(r["step"], r["heldout/greedy_accuracy"]) for r in metrics if "heldout/greedy_accuracy" in r]
+    if after is not None and metrics:
+        curve.append((metrics[-1]["step"], after))
+    return curve
 
 
 def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "SFT") -> Path:

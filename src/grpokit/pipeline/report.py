@@ -9,7 +9,7 @@ from pathlib import Path
 
 from grpokit import distributed
 from grpokit.config import Config
-from grpokit.eval.plots import plot_reward_curve
+from grpokit.eval.plots import heldout_curve, plot_reward_curve
 from grpokit.run.metrics import read_metrics
 
 
@@ -84,6 +84,7 @@ def report_results(config: Config, task, run_dir: Path, history: list[dict], bef
         "reward_model": next((r for r in rm_rounds if r.get("round", 0) == 0), None),
         "reward_model_refreshes": [r for r in rm_rounds if r.get("round", 0) > 0],
         "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
+        "heldout_curve": heldout_curve(history, before.greedy_accuracy if before else None, after.greedy_accuracy),
         **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
     }
     if after.tir is not None:

@@ -26,6 +26,8 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch
+
 from grpokit import distributed
 from grpokit.pipeline.build import load_policy, make_trainer, reward_model_stage, seed_everything, start_run
 from grpokit.run.checkpoint import save_checkpoint
@@ -50,7 +52,7 @@ from grpokit.rollout.multi_turn import ToolEngine
 from grpokit.tasks import task_for
 from grpokit.tasks.base import with_prompt_modes
 from grpokit.tools import make_tool
-from grpokit.eval.evaluate import evaluate_task
+from grpokit.eval.evaluate import evaluate, evaluate_task
 from grpokit.eval.questions import write_heldout
 from grpokit.eval.records import write_heldout_completions
 from grpokit.models.reference import frozen_copy
@@ -329,6 +331,27 @@ def _evaluate_heldout(when: str, task, model, tokenizer, heldout: list[dict], co
     return result
 
 
+def _periodic_heldout(config: Config, task, model, tokenizer, heldout: list[dict], engine):
+    """eval.every_steps > 0: the trainer's after-step hook that evaluates the held-out questions greedily
+    every that many steps (not the last one: the evaluation after RL is that one). Its accuracy joins the
+    step's metrics row. It draws nothing from the run's random streams, so the run trains as without it."""
+    every = config.eval.every_steps
+    if not (every and heldout):
+        return None
+
+    def after_step(step: int) -> dict:
+        if step % every or step >= config.grpo.max_steps:
+            return {}
+        t = time.perf_counter()
+        with torch.random.fork_rng():
+            result = evaluate(model, tokenizer, heldout, task.extract_answer, config.grpo.max_completion_length,
+                              k=0, batch_size=config.eval.batch_size, engine=engine, grade=task.grade)
+        return {"heldout/greedy_accuracy": result.greedy_accuracy,
+                "perf/heldout_eval_time_s": time.perf_counter() - t}
+
+    return after_step
+
+
 def _rl_engine(config: Config, engine, tokenizer):
     """What RL samples from: with rollout.tool, multi-turn rollouts that call the tool (its output
     masked out of the loss); evaluation keeps `engine` itself."""
@@ -401,6 +424,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None,
                                engine=_rl_engine(config, engine, tokenizer), remote=remote)
+        trainer.after_step = _periodic_heldout(config, task, model, tokenizer, heldout, engine)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             if distributed.is_main():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -116,6 +117,8 @@ class Trainer(Checkpointing):
         self.layout = RowLayout()  # this step's: packed or padded rows, and the tokens its forwards computed
         self.global_step = 0
         self.interrupted = False  # set when a signal stopped train() early
+        # set by the pipeline: (step) -> metrics that join the step's row (the periodic held-out evaluation)
+        self.after_step: Callable[[int], dict] | None = None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
         self.sampling = sampling_params(config)
         self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
@@ -164,6 +167,8 @@ class Trainer(Checkpointing):
         with GracefulStop(f"the current {self.algorithm.name.upper()} step") as stop, writer:
             while self.global_step < until:
                 record = {**(extra_metrics or {}), **self._naming_worker_failures(self.step)}
+                if self.after_step is not None:
+                    record.update(self.after_step(self.global_step))
                 history.append(record)
                 writer.write(record)
                 self._warn_if_no_signal(history)
