@@ -17,9 +17,8 @@ grpo.num_generations, the demo's 16 x 8 unless --set changes them), so they comp
   process-per-completion  eq. 6 divided by the completion's number of steps (per_completion)
   process+outcome  eq. 6 plus eq. 5 of the last (answer) step's score (process_outcome)
 
-Each arm saves a checkpoint every --steps/4 steps; those at 25%, 50% and 75% are evaluated greedily on
-the run's held-out questions (`grpokit eval`), the end with the demo's own evaluation: greedy, maj@k and
-pass@k (eval.k, 8). --arms runs some of them (outcome always: every other arm is measured
+Each arm evaluates its held-out questions greedily every --steps/4 steps (eval.every_steps: at 25%, 50%
+and 75%), and at the end with the demo's own evaluation: greedy, maj@k and pass@k (eval.k, 8). --arms runs some of them (outcome always: every other arm is measured
 against it); a later run with more arms reuses the finished ones. Prints one Markdown table, then how many seeds each process arm's final greedy
 accuracy is at least the outcome arm's. --set KEY=VALUE (repeatable) passes a config override to every
 run, the SFT run included: how a short check shrinks the setting.
@@ -70,39 +69,30 @@ def sft_checkpoint(args, seed: int) -> Path:
     return path
 
 
-def save_every(steps: int) -> int:
+def eval_every(steps: int) -> int:
     return max(1, steps // 4)
 
 
 def run_arm(args, seed: int, arm: str, sft: Path) -> dict:
-    """The arm's summary.json, plus its greedy accuracy at each quarter's checkpoint and its wall time."""
+    """The arm's summary.json, plus its greedy accuracy at each quarter (eval.every_steps) and its wall time."""
     run_dir = Path(args.out) / f"{arm}-s{seed}"
-    every = save_every(args.steps)
+    every = eval_every(args.steps)
     started = time.perf_counter()
     if not (run_dir / "summary.json").is_file():
         before = "true" if arm == "outcome" else "false"  # pi_SFT's accuracy once per seed
         grpokit(["demo", "--quiet", f"--seed={seed}", f"--sft.checkpoint={sft}", f"--output-dir={run_dir}",
-                 f"--grpo.max_steps={args.steps}", f"--grpo.save_steps={every}", "--grpo.save_total_limit=0",
-                 "--eval.tir=false", f"--eval.before={before}", *ARMS[arm], *args.set], f"{arm} (seed {seed})")
+                 f"--grpo.max_steps={args.steps}", f"--eval.every_steps={every}", "--eval.tir=false",
+                 f"--eval.before={before}", *ARMS[arm], *args.set], f"{arm} (seed {seed})")
     summary = json.loads((run_dir / "summary.json").read_text())
-    summary["greedy_at"] = {q: greedy_at(run_dir, q * every) for q in QUARTERS}
+    curve = dict(summary["heldout_curve"])
+    summary["greedy_at"] = {q: (q * every, curve[q * every]) for q in QUARTERS}
     summary["bench_seconds"] = time.perf_counter() - started
     return summary
 
 
-def greedy_at(run_dir: Path, step: int) -> tuple[int, float]:
-    """(step, held-out greedy accuracy of checkpoints/step-`step`), evaluated once into eval-step-`step`."""
-    out = run_dir / f"eval-step-{step}"
-    if not (out / "results.json").is_file():
-        grpokit(["eval", str(run_dir / "checkpoints" / f"step-{step}"), "--data", str(run_dir / "heldout.jsonl"),
-                 "--mode", "cot", "--output-dir", str(out)], f"evaluating {run_dir.name} at step {step}")
-    results = json.loads((out / "results.json").read_text())["results"]
-    return step, results["heldout"]["cot"]["accuracy"]
-
-
 def table(seeds: list[int], done: dict, steps: int, arms: list[str]) -> list[str]:
     k = next(iter(done.values()))["grpo"]["k"]
-    quarters = " | ".join(f"greedy {q * 25}% (step {q * save_every(steps)})" for q in QUARTERS)
+    quarters = " | ".join(f"greedy {q * 25}% (step {q * eval_every(steps)})" for q in QUARTERS)
     lines = [f"| seed | arm | SFT greedy | {quarters} | final greedy | maj@{k} | pass@{k} | final vs outcome |",
              "|---|---|---|" + "---|" * len(QUARTERS) + "---|---|---|---|"]
     for seed in seeds:
