@@ -89,6 +89,8 @@ def test_demo_table_shows_worked_and_direct_accuracy():
     assert "shows its steps    50.0%  100.0%   +50.0pt" in table
     assert "right if worked    50.0%   75.0%   +25.0pt" in table
     assert "right if direct    50.0%       -          " in table  # no direct answer after: no rate, no change
+    # d = [0, 1, 0, 0]: +25 pt; s = 1/2, so the interval is 0.25 +- 1.96 * 0.5 / 2
+    assert "greedy change: +25.0 pt, 95% interval [-24.0, +74.0] pt (4 questions: 1 gained, 0 lost)" in table
 
 
 # --- tool-integrated demonstrations ---------------------------------------------------------

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from grpokit import distributed
 from grpokit.config import Config
+from grpokit.eval.paired import PairedChange, paired_change
 from grpokit.eval.plots import heldout_curve, plot_reward_curve
 from grpokit.run.metrics import read_metrics
 
@@ -38,9 +40,23 @@ def format_table(task, before, after, algo: str = "grpo") -> str:
         change = f"{100 * (a - b):>+7.1f}pt" if b is not None and not math.isnan(a) else f"{'':>9}"
         lines.append(f"{label:<16} {(f'{b:.1%}' if b is not None else '-'):>7} "
                      f"{('-' if math.isnan(a) else f'{a:.1%}'):>7} {change}")
+    change = greedy_change(before, after)
+    if change is not None:
+        lines.append(f"greedy change: {change.describe()}")
     if after.tir is not None:
         lines += ["", tir_table(before, after, algo)]
     return "\n".join(lines)
+
+
+def _as_dict(change: PairedChange | None) -> dict | None:
+    return None if change is None else asdict(change)
+
+
+def greedy_change(before, after) -> PairedChange | None:
+    """The greedy accuracy's change over the same questions, with its 95% interval (None without a before)."""
+    if before is None or not before.greedy_correct or len(before.greedy_correct) != len(after.greedy_correct):
+        return None
+    return paired_change(before.greedy_correct, after.greedy_correct)
 
 
 def tir_table(before, after, algo: str = "grpo") -> str:
@@ -84,6 +100,7 @@ def report_results(config: Config, task, run_dir: Path, history: list[dict], bef
         "reward_model": next((r for r in rm_rounds if r.get("round", 0) == 0), None),
         "reward_model_refreshes": [r for r in rm_rounds if r.get("round", 0) > 0],
         "grpo_accuracy": after.greedy_accuracy, "grpo": after.as_dict(),
+        "greedy_change": _as_dict(greedy_change(before, after)),
         "heldout_curve": heldout_curve(history, before.greedy_accuracy if before else None, after.greedy_accuracy),
         **{f"grpo_{key.replace(' ', '_')}": value for key, value in task.report(after).items()},
     }
