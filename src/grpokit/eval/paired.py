@@ -19,7 +19,7 @@ class PairedChange:
     n: int
 
     def describe(self) -> str:
-        """"+34.7 pt, 95% interval [+29.1, +40.3] pt (300 questions: 118 gained, 14 lost)"."""
+        """"+34.7 pt, 95% interval [+27.7, +41.6] pt (300 questions: 126 gained, 22 lost)"."""
         return (f"{100 * self.change:+.1f} pt, 95% interval [{100 * self.low:+.1f}, {100 * self.high:+.1f}] pt "
                 f"({self.n} questions: {self.gained} gained, {self.lost} lost)")
 
