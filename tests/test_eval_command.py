@@ -331,6 +331,34 @@ def test_compare_table_golden():
     ]
 
 
+def test_compare_table_with_paired_intervals_golden():
+    from grpokit.eval.paired import paired_change
+
+    before = _results("base", {"gsm8k": {"cot": 0.25, "tir": 0.5}})
+    after = _results("rl", {"gsm8k": {"cot": 0.75, "tir": 0.5}})
+    # d = [1, 1, 0, 0]: +50 pt, s = sqrt(1/3), half-width 1.96 * sqrt(1/3) / 2 = 0.566
+    intervals = {("gsm8k", "cot"): paired_change([False, False, True, False], [True, True, True, False])}
+    lines = compare_markdown(before, after, "base", "rl", intervals).splitlines()
+    assert lines[-2:] == ["| change | +50.0 | +0.0 |", "| 95% interval | [-6.6, +106.6] | - |"]
+    assert "paired" in lines[0]
+
+
+def test_compare_pairs_the_questions_both_evaluations_graded(tmp_path):
+    from grpokit.eval.records import completions_path
+    from grpokit.eval.report import paired_intervals
+
+    def write(directory, verdicts):
+        directory.mkdir()
+        path = completions_path(directory, "gsm8k", "cot")
+        path.write_text("".join(json.dumps({"index": i, "question": f"q{i}", "correct": ok}) + "\n"
+                                for i, ok in verdicts.items()))
+
+    write(tmp_path / "a", {0: False, 1: False, 2: True, 3: True})
+    write(tmp_path / "b", {0: True, 1: False, 2: True})  # question 3 not graded after: left out
+    [(column, change)] = paired_intervals(tmp_path / "a", tmp_path / "b", [("gsm8k", "cot"), ("math", "cot")]).items()
+    assert column == ("gsm8k", "cot") and (change.n, change.gained, change.lost) == (3, 1, 0)
+
+
 def test_compare_command(run_dir, tmp_path, capsys):
     after = tmp_path / "after"
     after.mkdir()

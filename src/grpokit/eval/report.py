@@ -9,7 +9,8 @@ from pathlib import Path
 
 from grpokit.data.templates import PLAIN_LAYOUTS
 from grpokit.eval.evaluate import sample_scores
-from grpokit.eval.records import COMPARE, read_results
+from grpokit.eval.paired import PairedChange, paired_change
+from grpokit.eval.records import COMPARE, completions_path, read_results
 
 MODES = ("cot", "tir")
 MODE_TITLES = {"cot": "CoT", "tir": "TIR"}
@@ -92,8 +93,10 @@ def report_markdown(results: dict) -> str:
     ])
 
 
-def compare_markdown(before: dict, after: dict, before_label: str, after_label: str) -> str:
-    """Table 5's shape: one row per model, a column per dataset x mode, then the change in points."""
+def compare_markdown(before: dict, after: dict, before_label: str, after_label: str,
+                     intervals: dict[tuple[str, str], PairedChange] | None = None) -> str:
+    """Table 5's shape: one row per model, a column per dataset x mode, then the change in points, and,
+    where both evaluations graded the same questions (`intervals`), the change's 95% interval."""
     columns = _columns(before) + [c for c in _columns(after) if c not in _columns(before)]
 
     def accuracy(results, column):
@@ -107,8 +110,34 @@ def compare_markdown(before: dict, after: dict, before_label: str, after_label: 
     rows = [[before_label, *(_percent(accuracy(before, c)) for c in columns)],
             [after_label, *(_percent(accuracy(after, c)) for c in columns)],
             ["change", *change]]
-    return ("Greedy accuracy (%) before and after; change in percentage points.\n\n"
+    note = ""
+    if intervals:
+        rows.append(["95% interval", *(f"[{100 * i.low:+.1f}, {100 * i.high:+.1f}]" if (i := intervals.get(c))
+                                        else "-" for c in columns)])
+        note = " The interval is over the questions both graded, paired (grpokit/eval/paired.py)."
+    return (f"Greedy accuracy (%) before and after; change in percentage points.{note}\n\n"
             + markdown_table(["model", *map(_title, columns)], rows))
+
+
+def paired_intervals(before_dir: str | Path, after_dir: str | Path, columns: list[tuple[str, str]]
+                     ) -> dict[tuple[str, str], PairedChange]:
+    """For each dataset x mode both directories hold completions of, the greedy change over the questions
+    both graded (same index, same question), with its 95% interval."""
+    out = {}
+    for dataset, mode in columns:
+        records = [_graded(completions_path(Path(d), dataset, mode)) for d in (before_dir, after_dir)]
+        shared = sorted(set(records[0]) & set(records[1]))
+        if shared:
+            out[(dataset, mode)] = paired_change([records[0][q] for q in shared], [records[1][q] for q in shared])
+    return out
+
+
+def _graded(path: Path) -> dict[tuple[int, str], bool]:
+    """(index, question) -> the greedy completion's verdict, from a completions file (empty if none)."""
+    if not path.is_file():
+        return {}
+    records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {(r["index"], r["question"]): bool(r["correct"]) for r in records}
 
 
 def compare_runs(before_dir: str, after_dir: str, output_dir: str | None = None) -> tuple[str, Path]:
@@ -117,7 +146,8 @@ def compare_runs(before_dir: str, after_dir: str, output_dir: str | None = None)
     labels = [before.get("model", before_dir), after.get("model", after_dir)]
     if labels[0] == labels[1]:
         labels = [str(before_dir), str(after_dir)]
-    table = compare_markdown(before, after, *labels)
+    intervals = paired_intervals(before_dir, after_dir, [c for c in _columns(before) if c in _columns(after)])
+    table = compare_markdown(before, after, *labels, intervals)
     target = Path(output_dir or after_dir)
     target.mkdir(parents=True, exist_ok=True)
     (target / COMPARE).write_text(table)
