@@ -15,6 +15,7 @@ RESUME_SAFE_KEYS = (
     "model.attn_implementation", "eval.", "reward_model.device", "reward_model.batch_size", "stages", "report_to",
     "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.enforce_eager", "distributed.timeout_s",
     "model.gradient_checkpointing", "rollout.worker_launch", "rollout.worker_address", "rollout.worker_threads",
+    "rollout.worker_start_timeout_s",
 )
 
 
