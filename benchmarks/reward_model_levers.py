@@ -70,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/levers")
     parser.add_argument("--levers", default=",".join(LEVERS))
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one thread each")
+    parser.add_argument("--kinds", default="outcome,process", help="which reward models: outcome, process or both")
     args = parser.parse_args(argv)
     seeds, levers = [int(s) for s in args.seeds.split(",")], args.levers.split(",")
     unknown = sorted(set(levers) - set(LEVERS))
     if unknown:
         parser.error(f"unknown levers {unknown}; choose from {sorted(LEVERS)}")
-    jobs = [(seed, kind, lever) for seed in seeds for lever in levers for kind in ("outcome", "process")
+    kinds = args.kinds.split(",")
+    if not kinds or set(kinds) - {"outcome", "process"}:
+        parser.error(f"--kinds takes outcome, process or both, got {args.kinds!r}")
+    jobs = [(seed, kind, lever) for seed in seeds for lever in levers for kind in kinds
             if kind == "process" or lever not in PROCESS_ONLY]
     sft = {seed: Path(args.sft_from.format(seed=seed)) / "checkpoints" / "sft" for seed in seeds}
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -86,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for lever in levers:
             orm = breakdown(dirs[(seed, "outcome", lever)], seed) if (seed, "outcome", lever) in dirs else None
-            prm = breakdown(dirs[(seed, "process", lever)], seed)
+            prm = breakdown(dirs[(seed, "process", lever)], seed) if (seed, "process", lever) in dirs else None
             cells = ["-", "-"] if orm is None else [f"{share(orm, lambda n: True):.1%}",
                                                     f"{share(orm, lambda n: n == 'right worked vs wrong worked'):.1%}"]
-            cells += [f"{share(prm, lambda n: True):.1%}", f"{share(prm, lambda n: n.endswith('wrong')):.1%}",
-                      f"{share(prm, lambda n: n.endswith('right')):.1%}"]
+            cells += ["-", "-", "-"] if prm is None else [
+                f"{share(prm, lambda n: True):.1%}", f"{share(prm, lambda n: n.endswith('wrong')):.1%}",
+                f"{share(prm, lambda n: n.endswith('right')):.1%}"]
             print(f"| {seed} | {lever} | " + " | ".join(cells) + " |")
     return 0
 
