@@ -84,8 +84,8 @@ def run_arm(args, seed: int, arm: str, sft: Path) -> dict:
                  f"--grpo.max_steps={args.steps}", f"--eval.every_steps={every}", "--eval.tir=false",
                  f"--eval.before={before}", *ARMS[arm], *args.set], f"{arm} (seed {seed})")
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve = dict(summary["heldout_curve"])
-    summary["greedy_at"] = {q: (q * every, curve[q * every]) for q in QUARTERS}
+    curve = dict(summary.get("heldout_curve") or [])  # none in a run finished before eval.every_steps
+    summary["greedy_at"] = {q: (q * every, curve.get(q * every)) for q in QUARTERS}
     summary["bench_seconds"] = time.perf_counter() - started
     return summary
 
@@ -100,7 +100,7 @@ def table(seeds: list[int], done: dict, steps: int, arms: list[str]) -> list[str
         baseline = done[(seed, "outcome")]["grpo_accuracy"]
         for arm in arms:
             s = done[(seed, arm)]
-            at = " | ".join(f"{s['greedy_at'][q][1]:.1%}" for q in QUARTERS)
+            at = " | ".join("-" if s["greedy_at"][q][1] is None else f"{s['greedy_at'][q][1]:.1%}" for q in QUARTERS)
             versus = "—" if arm == "outcome" else f"{100 * (s['grpo_accuracy'] - baseline):+.1f} pt"
             lines.append(f"| {seed} | {arm} | {sft:.1%} | {at} | {s['grpo_accuracy']:.1%} | "
                          f"{s['grpo']['maj_at_k']:.1%} | {s['grpo']['pass_at_k']:.1%} | {versus} |")

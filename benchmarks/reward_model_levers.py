@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(levers) - set(LEVERS))
     if unknown:
         parser.error(f"unknown levers {unknown}; choose from {sorted(LEVERS)}")
-    kinds = args.kinds.split(",")
+    kinds = list(dict.fromkeys(args.kinds.split(",")))  # each once: two jobs must not share a run directory
     if not kinds or set(kinds) - {"outcome", "process"}:
         parser.error(f"--kinds takes outcome, process or both, got {args.kinds!r}")
     jobs = [(seed, kind, lever) for seed in seeds for lever in levers for kind in kinds
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         for lever in levers:
             orm = breakdown(dirs[(seed, "outcome", lever)], seed) if (seed, "outcome", lever) in dirs else None
             prm = breakdown(dirs[(seed, "process", lever)], seed) if (seed, "process", lever) in dirs else None
+            if orm is None and prm is None:
+                continue  # a process-only lever with --kinds outcome
             cells = ["-", "-"] if orm is None else [f"{share(orm, lambda n: True):.1%}",
                                                     f"{share(orm, lambda n: n == 'right worked vs wrong worked'):.1%}"]
             cells += ["-", "-", "-"] if prm is None else [

@@ -347,14 +347,18 @@ def test_compare_pairs_the_questions_both_evaluations_graded(tmp_path):
     from grpokit.eval.records import completions_path
     from grpokit.eval.report import paired_intervals
 
-    def write(directory, verdicts):
+    def write(directory, verdicts, total):
         directory.mkdir()
         path = completions_path(directory, "gsm8k", "cot")
         path.write_text("".join(json.dumps({"index": i, "question": f"q{i}", "correct": ok}) + "\n"
                                 for i, ok in verdicts.items()))
+        (directory / "results.json").write_text(json.dumps(
+            {"results": {"gsm8k": {"cot": {"accuracy": 0.5, "total": total}}, "math": {"cot": {"total": 1}}}}))
 
-    write(tmp_path / "a", {0: False, 1: False, 2: True, 3: True})
-    write(tmp_path / "b", {0: True, 1: False, 2: True})  # question 3 not graded after: left out
+    # question 3 is not graded after; question 4 is in the file from an earlier, larger --max-rows run,
+    # but not in the results the table shows: both left out
+    write(tmp_path / "a", {0: False, 1: False, 2: True, 3: True, 4: False}, total=4)
+    write(tmp_path / "b", {0: True, 1: False, 2: True, 4: True}, total=4)
     [(column, change)] = paired_intervals(tmp_path / "a", tmp_path / "b", [("gsm8k", "cot"), ("math", "cot")]).items()
     assert column == ("gsm8k", "cot") and (change.n, change.gained, change.lost) == (3, 1, 0)
 

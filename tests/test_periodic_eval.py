@@ -34,3 +34,33 @@ def test_every_steps_logs_the_curve_and_trains_exactly_as_without(tmp_path):
     assert steps == [0, 2, 4, 5]
     assert summary["heldout_curve"][-1][1] == summary["grpo_accuracy"]
     assert (tmp_path / "curve" / "reward_curve.png").stat().st_size > 0
+
+
+def test_each_evaluation_first_readies_an_engine_that_holds_its_own_weights(monkeypatch):
+    """With rollout workers, the trainer's own engine (vLLM) received no push during training: the
+    sampler's ready_for_eval gives it the step's weights before every evaluation, as before the last one."""
+    from types import SimpleNamespace
+
+    from grpokit.config import load_config
+    from grpokit.pipeline import stages
+
+    calls = []
+
+    class Sampler:
+        def ready_for_eval(self, step):
+            calls.append(("ready", step))
+
+    def evaluate(*args, **kwargs):
+        calls.append(("evaluate", kwargs["k"]))
+        return SimpleNamespace(greedy_accuracy=0.5)
+
+    monkeypatch.setattr(stages, "evaluate", evaluate)
+    config = load_config(overrides=["--eval.every_steps=2", "--grpo.max_steps=5"])
+    task = SimpleNamespace(extract_answer=None, grade=None)
+    hook = stages._periodic_heldout(config, task, None, None, [{"prompt": "q", "answer": "1"}], None, Sampler())
+    assert hook(1) == {} and calls == []
+    assert hook(2)["heldout/greedy_accuracy"] == 0.5
+    assert calls == [("ready", 2), ("evaluate", 0)]  # greedy only
+    assert hook(4) and hook(5) == {}  # step 5 is the last: the evaluation after RL
+    assert calls[2:] == [("ready", 4), ("evaluate", 0)]
+    assert stages._periodic_heldout(load_config(), task, None, None, [{"prompt": "q"}], None, Sampler()) is None

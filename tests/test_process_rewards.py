@@ -362,3 +362,7 @@ def test_the_comparison_benchmark_reports_every_arm_and_the_target_per_seed():
     # some arms only (--arms): their rows and targets, outcome first
     assert len(bench.table([0, 1], done, 150, ["outcome", "process"])) == 2 + 2 * 2
     assert bench.target_lines([0, 1], done, ["outcome", "process"]) == targets[:1]
+    # an arm without a point at a quarter (finished before eval.every_steps, or too few steps): "-"
+    done[(1, "process")]["greedy_at"][2] = (74, None)
+    assert "| 1 | process | 30.0% | 10.0% | - | 30.0% | 40.0% | 60.0% | 90.0% | -20.0 pt |" in \
+        bench.table([0, 1], done, 150, ["outcome", "process"])

@@ -83,7 +83,11 @@ def test_the_reward_model_stage_builds_the_backbone_the_config_names(tmp_path):
     (["--reward_model.model.init=checkpoint"], "set reward_model.model.path"),
     (["--reward_model.model.path=some/model"], "set init to checkpoint"),
     (["--reward_model.model.init=tiny", "--reward_model.model.hidden_size=30", "--reward_model.model.num_heads=4"],
-     "must be a multiple of reward_model.model.num_heads"),
+     "must be a multiple of 2 x reward_model.model.num_heads"),
+    (["--reward_model.model.init=tiny", "--reward_model.model.hidden_size=30", "--reward_model.model.num_heads=2"],
+     "each head's width must be even"),
+    (["--reward_model.kind=process", "--reward_model.path=runs/rm/reward_model", "--reward_model.model.init=tiny"],
+     "reward_model.path loads a trained reward model"),
     (["--reward_model.model.num_layers=0"], "reward_model.model.num_layers must be >= 1"),
 ])
 def test_a_backbone_that_cannot_be_built_is_a_config_error(overrides, message):

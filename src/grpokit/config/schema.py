@@ -453,9 +453,9 @@ class RewardModelBackboneConfig:
             (self.init == "checkpoint" or not self.path,
              f"reward_model.model.path is set but reward_model.model.init is {self.init!r}: set init to checkpoint, "
              "or clear path"),
-            (self.init != "tiny" or self.hidden_size % max(self.num_heads, 1) == 0,
-             f"reward_model.model.hidden_size ({self.hidden_size}) must be a multiple of reward_model.model.num_heads "
-             f"({self.num_heads})"),
+            (self.init != "tiny" or self.hidden_size % max(2 * self.num_heads, 1) == 0,
+             f"reward_model.model.hidden_size ({self.hidden_size}) must be a multiple of 2 x reward_model.model.num_heads "
+             f"({self.num_heads}): each head's width must be even for rotary positions"),
         ])
 
 
@@ -481,6 +481,9 @@ class RewardModelConfig:
         yield from failed([
             *_bounds(self, "reward_model", counts=("batch_size",)),
             (self.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
+            (not self.path or self.model.init == "policy",
+             f"reward_model.model.init is {self.model.init!r}, but reward_model.path loads a trained reward model, "
+             "which keeps its own weights: clear one of them"),
         ])
         for section in (self.train, self.data, self.label, self.model):
             yield from section.problems()

@@ -124,8 +124,12 @@ def paired_intervals(before_dir: str | Path, after_dir: str | Path, columns: lis
     """For each dataset x mode both directories hold completions of, the greedy change over the questions
     both graded (same index, same question), with its 95% interval."""
     out = {}
+    results = [read_results(d) for d in (before_dir, after_dir)]
     for dataset, mode in columns:
-        records = [_graded(completions_path(Path(d), dataset, mode)) for d in (before_dir, after_dir)]
+        # the rows each results.json counts: a file may hold more, from a run with a larger --max-rows
+        totals = [r["results"][dataset][mode]["total"] for r in results]
+        records = [{key: ok for key, ok in _graded(completions_path(Path(d), dataset, mode)).items() if key[0] < total}
+                   for d, total in zip((before_dir, after_dir), totals)]
         shared = sorted(set(records[0]) & set(records[1]))
         if shared:
             out[(dataset, mode)] = paired_change([records[0][q] for q in shared], [records[1][q] for q in shared])

@@ -131,7 +131,8 @@ def reward_model_backbone(config: Config, policy, tokenizer):
         return model, rm_tokenizer
     if spec.init == "tiny":
         architecture = policy.config.model_type if policy.config.model_type in ("llama", "qwen2") else "llama"
-        with torch.random.fork_rng(devices=[]):  # its own seed, not the run's random stream
+        # its own seed, not the run's random streams (manual_seed reseeds every CUDA generator too)
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
             model = build_tiny_model(tokenizer, architecture, spec.hidden_size, spec.num_layers, spec.num_heads,
                                      spec.intermediate_size, seed=derive_seed(config.seed, "reward-model"))
         model = model.to(device=model_device(policy), dtype=trained_dtype(policy))

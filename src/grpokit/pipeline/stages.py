@@ -331,10 +331,11 @@ def _evaluate_heldout(when: str, task, model, tokenizer, heldout: list[dict], co
     return result
 
 
-def _periodic_heldout(config: Config, task, model, tokenizer, heldout: list[dict], engine):
+def _periodic_heldout(config: Config, task, model, tokenizer, heldout: list[dict], engine, sampler):
     """eval.every_steps > 0: the trainer's after-step hook that evaluates the held-out questions greedily
     every that many steps (not the last one: the evaluation after RL is that one). Its accuracy joins the
-    step's metrics row. It draws nothing from the run's random streams, so the run trains as without it."""
+    step's metrics row. It draws nothing from the run's random streams, so the run trains as without it.
+    `sampler.ready_for_eval` first gives `engine` this step's weights where rollout workers sampled instead."""
     every = config.eval.every_steps
     if not (every and heldout):
         return None
@@ -343,7 +344,9 @@ def _periodic_heldout(config: Config, task, model, tokenizer, heldout: list[dict
         if step % every or step >= config.grpo.max_steps:
             return {}
         t = time.perf_counter()
-        with torch.random.fork_rng():
+        sampler.ready_for_eval(step)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             result = evaluate(model, tokenizer, heldout, task.extract_answer, config.grpo.max_completion_length,
                               k=0, batch_size=config.eval.batch_size, engine=engine, grade=task.grade)
         return {"heldout/greedy_accuracy": result.greedy_accuracy,
@@ -424,7 +427,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         trainer = make_trainer(config, model, tokenizer, rows, run_dir, progress, ref_model,
                                reward_scorer=stage.scorer if stage else None,
                                engine=_rl_engine(config, engine, tokenizer), remote=remote)
-        trainer.after_step = _periodic_heldout(config, task, model, tokenizer, heldout, engine)
+        trainer.after_step = _periodic_heldout(config, task, model, tokenizer, heldout, engine, trainer.sampler)
         if checkpoint is not None:
             trainer.resume_from(checkpoint)
             if distributed.is_main():

@@ -187,7 +187,7 @@ class Trainer(Checkpointing):
         bar.close()
         if saved_at is None or saved_at.name != f"step-{self.global_step}":  # the final step, unless just saved
             self._naming_worker_failures(self.save_checkpoint)
-        self.sampler.finish(self.global_step)
+        self.sampler.ready_for_eval(self.global_step)  # the evaluation after RL
         return history
 
     def _naming_worker_failures(self, call):

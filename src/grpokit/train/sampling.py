@@ -136,8 +136,8 @@ class LocalSampler:
         push_weights(self.engine, self.model, version, self.last_checkpoint)
         return {"rollout/sync_time_s": time.perf_counter() - t}
 
-    def finish(self, version: int) -> None:
-        """The end of training: the engine already holds the final policy."""
+    def ready_for_eval(self, version: int) -> None:
+        """Before an evaluation (during training or after it): the engine already holds the policy."""
 
     def failure(self) -> str:
         """What failed the engine's last samples (a ToolEngine says), or ''."""
@@ -216,8 +216,9 @@ class RemoteSampler:
         self._queue(version)
         return {"rollout/sync_time_s": seconds}
 
-    def finish(self, version: int) -> None:
-        """The end of training: evaluation's engine, if it holds its own weights, gets the final policy."""
+    def ready_for_eval(self, version: int) -> None:
+        """Before an evaluation (during training or after it): evaluation's engine, if it holds its own
+        weights, gets the policy; the workers, not it, received every push (every process calls this)."""
         if self.engine.copies_weights:
             push_weights(self.engine, self.model, version, self.last_checkpoint)
 
