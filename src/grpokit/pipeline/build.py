@@ -114,6 +114,13 @@ def verifier(config: Config, task: Task, tokenizer=None):
     return grade
 
 
+def _note_own_tokenizer(rm_tokenizer, tokenizer, what: str) -> None:
+    """Say once, on stderr, that a reward model reads completions with a tokenizer of its own."""
+    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+        print(f"grpokit: {what}; it reads completions as text, re-tokenized, and step ends are mapped back to "
+              "the policy's tokens", file=sys.stderr)
+
+
 def reward_model_backbone(config: Config, policy, tokenizer):
     """(causal LM, tokenizer) whose backbone a new reward model copies, by reward_model.model.init: the
     policy (pi_SFT, as DeepSeekMath), a fresh tiny model on the policy's tokenizer, or a checkpoint
@@ -124,10 +131,7 @@ def reward_model_backbone(config: Config, policy, tokenizer):
         model, rm_tokenizer = load_model_and_tokenizer(spec.path, m.dtype, config.reward_model.device,
                                                        m.attn_implementation, m.trust_remote_code,
                                                        master_dtype=m.master_dtype, chat_template="off")
-        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            print(f"grpokit: reward_model.model.path {spec.path} has its own tokenizer; the reward model reads "
-                  "completions as text, re-tokenized, and step ends are mapped back to the policy's tokens",
-                  file=sys.stderr)
+        _note_own_tokenizer(rm_tokenizer, tokenizer, f"the reward model from reward_model.model.path {spec.path} has its own tokenizer")
         return model, rm_tokenizer
     if spec.init == "tiny":
         architecture = policy.config.model_type if policy.config.model_type in ("llama", "qwen2") else "llama"
@@ -152,9 +156,7 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
                                                       config.model.master_dtype if retrained else "same")
         if info.kind != rm.kind:
             raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
-        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            print("grpokit: the reward model's tokenizer differs from the policy's; it reads completions as text, "
-                  "re-tokenized, and step ends are mapped back to the policy's tokens", file=sys.stderr)
+        _note_own_tokenizer(rm_tokenizer, tokenizer, "the reward model's tokenizer differs from the policy's")
         scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
     else:
         backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
