@@ -131,7 +131,8 @@ def reward_model_backbone(config: Config, policy, tokenizer):
         model, rm_tokenizer = load_model_and_tokenizer(spec.path, m.dtype, config.reward_model.device,
                                                        m.attn_implementation, m.trust_remote_code,
                                                        master_dtype=m.master_dtype, chat_template="off")
-        _note_own_tokenizer(rm_tokenizer, tokenizer, f"the reward model from reward_model.model.path {spec.path} has its own tokenizer")
+        _note_own_tokenizer(rm_tokenizer, tokenizer,
+                            f"the reward model from reward_model.model.path {spec.path} has its own tokenizer")
         return model, rm_tokenizer
     if spec.init == "tiny":
         architecture = policy.config.model_type if policy.config.model_type in ("llama", "qwen2") else "llama"
