@@ -93,3 +93,47 @@ def test_the_reward_model_stage_builds_the_backbone_the_config_names(tmp_path):
 def test_a_backbone_that_cannot_be_built_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+# --------------------------------------------------------------------------- a size the device cannot hold
+
+
+def test_the_size_estimates_equal_the_models_own_counts(tmp_path):
+    from grpokit.models.fits import checkpoint_parameters, tiny_llama_parameters
+
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    model = build_tiny_model(tokenizer, hidden_size=48, num_layers=3, num_heads=2, intermediate_size=96)
+    total = sum(p.numel() for p in model.parameters())  # tied: the LM head is the embedding
+    assert tiny_llama_parameters(48, 3, 96, len(tokenizer)) == total
+    # without the vocabulary the count is a lower bound: the embedding's V*H less
+    assert tiny_llama_parameters(48, 3, 96) == total - len(tokenizer) * 48
+    model.save_pretrained(tmp_path)
+    assert checkpoint_parameters(tmp_path) == total
+    assert checkpoint_parameters(tmp_path / "absent") is None
+
+
+def test_training_fits_or_says_how_much_it_needs(monkeypatch):
+    from grpokit.models import fits
+
+    monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 2**30)  # a 1 GiB device
+    cpu = torch.device("cpu")
+    assert fits.training_does_not_fit(2**26, cpu) == ""  # 64Mi parameters x 16 B = exactly 1 GiB
+    why = fits.training_does_not_fit(2**26 + 1, cpu)
+    assert "needs at least 1.0 GiB" in why and "cpu's 1.0 GiB" in why
+
+
+def test_a_reward_model_too_large_for_its_device_stops_the_demo_before_sft(tmp_path, monkeypatch, capsys):
+    from grpokit.cli import main
+    from grpokit.models import fits
+
+    monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 2**30)
+    # 8 blocks of hidden 1024, MLP 4096: 8 x (4 x 1024^2 + 3 x 1024 x 4096 + 2048) + 1024 = 134,235,136
+    # parameters, 2.0 GiB to train at 16 B each: more than the 1 GiB device
+    code = main(["demo", "--supervision", "process", "--reward_model.model.init=tiny",
+                 "--reward_model.model.hidden_size=1024", "--reward_model.model.num_layers=8",
+                 "--reward_model.model.intermediate_size=4096", "--output-dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "reward_model.model (init=tiny, hidden_size=1024" in err and "about 134.2M parameters" in err
+    assert "set reward_model.device" in err
+    assert not (tmp_path / "run").exists()  # refused before SFT made the run directory

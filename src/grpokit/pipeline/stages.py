@@ -38,7 +38,8 @@ from grpokit.data.sniff import reward_model_examples
 from grpokit.data.sources import check_sources, heldout_note, long_prompts_note
 from grpokit.eval.plots import plot_loss_curve
 from grpokit.run.metrics import MetricsWriter, NullWriter, read_metrics
-from grpokit.models.loading import local_weights_dir
+from grpokit.models.fits import checkpoint_parameters, tiny_llama_parameters, training_does_not_fit
+from grpokit.models.loading import local_weights_dir, resolve_device
 from grpokit.models.lora import apply_lora, is_lora, load_lora, parameter_counts
 from grpokit.models.precision import describe_precision
 from grpokit.models.sharding import shard_model, world_sharding
@@ -162,6 +163,8 @@ def run_demo(config: Config, progress: bool = True, run_dir_mode: str = NEW) -> 
     if sft_dir and not (Path(sft_dir) / "config.json").is_file():
         raise ConfigError(f"sft.checkpoint {sft_dir!r} is not a saved model (no config.json there); "
                           "point it at a run's checkpoints/sft directory")
+    if "train" in config.stages:
+        check_reward_model_setup(config)  # before SFT, which would otherwise run first
     claim(config.output_dir, run_dir_mode)  # the stages below share the directory, each taking its lock
     timings = {}
     if "sft" in config.stages and not sft_dir:
@@ -212,6 +215,40 @@ def check_reward_model_setup(config: Config) -> None:
             "process labels for data.sources cannot be made by rule (only the built-in task has a step checker): "
             "set reward_model.label.method=rollouts to label steps from rollouts, or train a PRM with `grpokit "
             "label-steps` + `grpokit train-rm --process --data STEPS.jsonl` and set reward_model.path to it")
+    _check_reward_model_fits(config)
+
+
+def _check_reward_model_fits(config: Config, trains: bool = False) -> None:
+    """A reward model this run trains, of a size its device cannot hold, is a config error naming the
+    key that sets its size, before any model loads (the count is a lower bound: the refusal is sure)."""
+    rm, spec = config.reward_model, config.reward_model.model
+    trains = trains or not rm.path or config.iterative.iterations > 1
+    if rm.kind == "none" or not trains:
+        return
+    if rm.path:
+        key, parameters = "reward_model.path", checkpoint_parameters(rm.path)
+    elif spec.init == "checkpoint":
+        key, parameters = "reward_model.model.path", checkpoint_parameters(spec.path)
+    elif spec.init == "tiny":
+        key = (f"reward_model.model (init=tiny, hidden_size={spec.hidden_size}, num_layers={spec.num_layers}, "
+               f"intermediate_size={spec.intermediate_size})")
+        parameters = tiny_llama_parameters(spec.hidden_size, spec.num_layers, spec.intermediate_size,
+                                           _policy_vocab_size(config))
+    else:
+        return  # a copy of the policy, which has to fit anyway
+    why = training_does_not_fit(parameters or 0, resolve_device(rm.device, "reward_model.device"))
+    if why:
+        raise ConfigError(f"{key}: the reward model has {why}; make it smaller, or set reward_model.device to a "
+                          "device with more memory")
+
+
+def _policy_vocab_size(config: Config) -> int:
+    """The policy's vocabulary size when its config.json is on disk, else 0 (then the tiny reward
+    model's count leaves out its embedding and stays a lower bound)."""
+    config_file = Path(config.model.name_or_path or ".") / "config.json"
+    if not config.model.name_or_path or not config_file.is_file():
+        return 0
+    return int(json.loads(config_file.read_text()).get("vocab_size") or 0)
 
 
 def _reward_model_for_run(config: Config, task, policy, tokenizer, rows, run_dir: Path, progress: bool, checkpoint,
@@ -497,6 +534,7 @@ def run_train_rm(config: Config, progress: bool = True, data: str = "", run_dir_
     if config.reward_model.kind == "none":  # train-rm without --process: an outcome reward model
         config = dataclasses.replace(config, reward_model=dataclasses.replace(config.reward_model, kind="outcome"))
     rm = config.reward_model
+    _check_reward_model_fits(config, trains=True)
     examples = reward_model_examples(data, rm.kind, rm.step_delimiter, config.data.skip_malformed_lines,
                                      config.seed, rm.data.max_pairs_per_prompt) if data else None  # before the run starts
     with run_lock(config.output_dir, run_dir_mode):
