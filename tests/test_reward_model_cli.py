@@ -70,6 +70,9 @@ def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
         assert [r["iteration"] for r in rows] == [1, 1, 2, 2]
         refreshes = summary["reward_model_refreshes"]
         assert len(refreshes) == 1 and refreshes[0]["replay_examples"] > 0
+        # the drift the refresh answers: the old reward model on the same held-out samples of the new policy
+        assert refreshes[0]["before_refresh"]["pairs"] == refreshes[0]["pairs"]
+        assert "before_refresh" not in summary["reward_model"]  # round 0 has nothing to refresh
         assert (out / "iterations" / "iter-1" / "state.json").is_file()
         assert (out / "replay_buffer.jsonl").is_file()
 

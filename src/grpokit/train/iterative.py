@@ -102,13 +102,15 @@ class RewardModelStage:
             kept = [(r, c) for r, c in zip(rows, completions) if r["prompt"] not in heldout_prompts]
             train += hard_negative_examples(self.kind, [r for r, _ in kept], [c for _, c in kept],
                                             self.hard_negative, self.step_labeller, cfg, self.seed + round_index)
+        # The drift the refresh is for: the reward model as it stands, on the new policy's held-out samples.
+        before = {"before_refresh": evaluate_reward_model(self.scorer, heldout)} if round_index > 0 else {}
         replay = list(self.buffer.items)
         desc = "reward model" if round_index == 0 else f"reward model, refresh {round_index}"
         losses = fit_reward_model(self.scorer, train + replay, cfg, seed=self.seed + round_index,
                                   progress=self.progress, desc=desc)
         metrics = {"round": round_index, "samples": len(completions), "new_examples": len(train),
                    "replay_examples": len(replay), "heldout_examples": len(heldout),
-                   "final_loss": losses[-1], **evaluate_reward_model(self.scorer, heldout)}
+                   "final_loss": losses[-1], **evaluate_reward_model(self.scorer, heldout), **before}
         self.buffer.add(train, round_index)
         with (self.run_dir / "reward_model_metrics.jsonl").open("a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -137,7 +139,8 @@ def run_iterations(trainer, stage: RewardModelStage | None, iterations: int, sta
             break
         metrics = stage.train_round(trainer.model, k)
         print(f"iteration {k}: reward model refreshed on {metrics['new_examples']} new + "
-              f"{metrics['replay_examples']} replayed examples; held-out {rm_headline(metrics)}", file=sys.stderr)
+              f"{metrics['replay_examples']} replayed examples; held-out {rm_headline(metrics)}; before the refresh, "
+              f"{rm_headline(metrics['before_refresh'])}", file=sys.stderr)
         save_iteration(trainer, stage, k)
     return history
 
