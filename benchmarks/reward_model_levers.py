@@ -19,6 +19,9 @@ same in every row of a seed; hard negatives join the training questions only.
                    hidden 128, 2 blocks): size alone, without pi_SFT's weights
   tiny-4x          the same, hidden 256 (about 4x the policy's parameters)
   tiny-16x         the same, hidden 512 (about 16x)
+  checkpoint       initialised from --rm-checkpoint (reward_model.model.init=checkpoint), e.g. a larger
+                   pi_SFT: a reward model that knows the task's arithmetic better than the policy does
+  checkpoint-4x    the same, with 4x the samples and steps
 
 Columns: the outcome RM's pairwise accuracy, over all held-out pairs and over pairs of a right
 worked solution and a wrong worked one (the pairs where only the arithmetic differs); the process
@@ -47,16 +50,21 @@ LEVERS = {
     **{f"tiny-{scale}x": ["--reward_model.model.init=tiny", f"--reward_model.model.hidden_size={hidden}",
                           "--reward_model.model.num_layers=2", f"--reward_model.model.intermediate_size={4 * hidden}"]
        for scale, hidden in ((1, 128), (4, 256), (16, 512))},
+    "checkpoint": ["--reward_model.model.init=checkpoint"],
+    "checkpoint-4x": ["--reward_model.model.init=checkpoint", "--reward_model.data.num_questions=4000",
+                      "--reward_model.train.max_steps=1600"],
 }
 PROCESS_ONLY = {"balanced", "hard+balanced"}
 
 
-def train(seed: int, kind: str, lever: str, sft: Path, out: Path) -> Path:
+def train(seed: int, kind: str, lever: str, sft: Path, out: Path, rm_checkpoint: str = "") -> Path:
     run_dir = out / f"{kind}-{lever}-s{seed}"
     if not (run_dir / "reward_model").is_dir():
+        init = ([f"--reward_model.model.path={rm_checkpoint.format(seed=seed)}"]
+                if lever.startswith("checkpoint") else [])
         cmd = [sys.executable, "-m", "grpokit.cli", "train-rm", *(["--process"] if kind == "process" else []),
                "--quiet", "--seed", str(seed), f"--model.name_or_path={sft}", "--output-dir", str(run_dir),
-               *LEVERS[lever]]
+               *LEVERS[lever], *init]
         print("+", " ".join(cmd[2:]), file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
@@ -71,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", default=",".join(LEVERS))
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one thread each")
     parser.add_argument("--kinds", default="outcome,process", help="which reward models: outcome, process or both")
+    parser.add_argument("--rm-checkpoint", default="",
+                        help="the checkpoint levers' reward-model initialisation ({seed} is replaced)")
     args = parser.parse_args(argv)
     seeds, levers = [int(s) for s in args.seeds.split(",")], args.levers.split(",")
     unknown = sorted(set(levers) - set(LEVERS))
     if unknown:
         parser.error(f"unknown levers {unknown}; choose from {sorted(LEVERS)}")
+    if any(lever.startswith("checkpoint") for lever in levers) and not args.rm_checkpoint:
+        parser.error("the checkpoint levers need --rm-checkpoint PATH")
     kinds = list(dict.fromkeys(args.kinds.split(",")))  # each once: two jobs must not share a run directory
     if not kinds or set(kinds) - {"outcome", "process"}:
         parser.error(f"--kinds takes outcome, process or both, got {args.kinds!r}")
@@ -83,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "process" or lever not in PROCESS_ONLY]
     sft = {seed: Path(args.sft_from.format(seed=seed)) / "checkpoints" / "sft" for seed in seeds}
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = dict(zip(jobs, pool.map(lambda j: train(j[0], j[1], j[2], sft[j[0]], Path(args.out)), jobs)))
+        dirs = dict(zip(jobs, pool.map(
+            lambda j: train(j[0], j[1], j[2], sft[j[0]], Path(args.out), args.rm_checkpoint), jobs)))
     print("| seed | lever | ORM pairwise | ORM right-worked vs wrong-worked | PRM steps | PRM wrong steps caught "
           "| PRM right steps passed |")
     print("|---|---|---|---|---|---|---|")

@@ -14,6 +14,8 @@ completions (150 steps x 16 questions x 8), so outcome and process supervision c
              two iterations of 75 steps, so the same 150 steps in all
   prm-iter2  --supervision process --iterative 2: the same with the process RM
 
+--rm-init PATH initialises every variant's reward model from that checkpoint ({seed} is replaced;
+reward_model.model.init=checkpoint), e.g. a larger pi_SFT; --variants runs a subset.
 --jobs runs that many variants side by side, one thread each. With --breakdown it also prints each
 initial reward model's held-out accuracy by kind of example, and the issue's targets table: the
 outcome RM's pairwise accuracy (all pairs, and right-worked vs wrong-worked), the process RM's step
@@ -34,10 +36,12 @@ VARIANTS = {"orm": ["--reward", "model"], "prm": ["--supervision", "process"],
             "orm-iter2": ["--iterative", "2"], "prm-iter2": ["--supervision", "process", "--iterative", "2"]}
 
 
-def run_variant(seed: int, name: str, sft_run: Path, out: Path) -> dict:
+def run_variant(seed: int, name: str, sft_run: Path, out: Path, rm_init: str = "") -> dict:
     run_dir = out / f"{name}-s{seed}"
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "grpokit.cli", "demo", "--quiet", "--seed", str(seed), *VARIANTS[name],
+        init = (["--reward_model.model.init=checkpoint", f"--reward_model.model.path={rm_init.format(seed=seed)}"]
+                if rm_init else [])
+        cmd = [sys.executable, "-m", "grpokit.cli", "demo", "--quiet", "--seed", str(seed), *VARIANTS[name], *init,
                f"--sft.checkpoint={sft_run / 'checkpoints' / 'sft'}", "--output-dir", str(run_dir)]
         print("+", " ".join(cmd[2:]), file=sys.stderr)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
@@ -118,16 +122,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="also: each initial reward model's held-out accuracy by kind of example, and the "
                              "targets table")
     parser.add_argument("--jobs", type=int, default=1, help="variant runs side by side, one thread each")
+    parser.add_argument("--rm-init", default="", help="reward-model initialisation checkpoint ({seed} is replaced)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which variants: " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {list(VARIANTS)}")
+    if args.breakdown and set(VARIANTS) - set(variants):
+        parser.error("--breakdown compares every variant: leave --variants out")
     out = Path(args.out)
-    todo = [(seed, name) for seed in seeds for name in VARIANTS]
+    todo = [(seed, name) for seed in seeds for name in variants]
     with ThreadPoolExecutor(args.jobs) as pool:
-        done = dict(zip(todo, pool.map(lambda job: run_variant(job[0], job[1], sft_dir(args, job[0]), out), todo)))
+        done = dict(zip(todo, pool.map(
+            lambda job: run_variant(job[0], job[1], sft_dir(args, job[0]), out, args.rm_init), todo)))
     rows, by_seed = [], {}
     for seed in seeds:
         rule = json.loads((sft_dir(args, seed) / "summary.json").read_text())
-        results = by_seed[seed] = {"rule": rule} | {name: done[(seed, name)] for name in VARIANTS}
+        results = by_seed[seed] = {"rule": rule} | {name: done[(seed, name)] for name in variants}
         for name, s in results.items():
             refresh = s.get("reward_model_refreshes") or []
             after = f" → {rm_accuracy({'reward_model': refresh[-1]})}" if refresh else ""
