@@ -11,8 +11,9 @@ by question as train-rm splits it; --init is the reward model's backbone (pi_SFT
   first-step   the same PRM trained on the first step of worked solutions only: the simplest check
                there is (is "15+1-8" what "17-2+1-8" reduces to?), and how many wrong ones it catches
   likelihood   no training of the backbone: does --init's own log-probability of a step tell right steps
-               from wrong? The AUC of the first step's log-probability, then a two-parameter logistic
-               regression on each step's running sum of log-probabilities, scored like the PRM
+               from wrong? The AUC of the first step's log-probability, then the likelihood head
+               (reward_model.model.head: likelihood): a and b of a * running sum + b fit on 6,000
+               training samples, scored like the PRM
 
 Step kinds: `step` a chain line, `ans` the answer line after a chain, `direct` a lone answer; `+` right,
 `-first` the first wrong step, `-later` a step after it (wrong by the prefix rule).
@@ -26,13 +27,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from grpokit.config import RewardModelConfig
 from grpokit.config.schema import RewardModelTrainConfig
 from grpokit.data.reward_data import StepLabelledSample
 from grpokit.models.loading import load_model_and_tokenizer
-from grpokit.rewards.learned import encode, new_reward_model
+from grpokit.rewards.learned import new_reward_model
+from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel
 from grpokit.train.reward_model import fit_reward_model, new_scorer, split_by_prompt
 
 
@@ -77,25 +78,6 @@ def train_prm(init: str, train: list, steps: int, lr: float, seed: int):
     return scorer, sum(losses[-100:]) / len(losses[-100:])
 
 
-def step_log_probs(model, tokenizer, samples: list[StepLabelledSample]) -> list[list[float]]:
-    """Each step's summed log-probability under `model`, given everything before it."""
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(samples), 64):
-            batch = samples[start : start + 64]
-            inputs = encode(tokenizer, [x.prompt for x in batch], [list(x.steps) for x in batch])
-            logits = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask).logits[:, :-1].float()
-            token_lp = torch.gather(F.log_softmax(logits, -1), 2, inputs.input_ids[:, 1:, None])[..., 0]
-            for i, sample in enumerate(batch):
-                begin = len(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]) - 1
-                row = []
-                for end in inputs.step_positions[i]:  # token k is predicted at column k-1
-                    row.append(float(token_lp[i, begin:end].sum()))
-                    begin = end
-                out.append(row)
-    return out
-
-
 def auc(right: list[float], wrong: list[float]) -> float:
     """P(a right one scores above a wrong one), ties half."""
     pairs = [(r > w) + 0.5 * (r == w) for r in right for w in wrong]
@@ -125,35 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     if "first-step" in probes:
         scorer, loss = train_prm(args.init, first(train), args.steps, args.lr, args.seed)
         print(f"first-step, {args.steps} steps at lr {args.lr:g}, last-100 loss {loss:.3f}")
-        print(f"  held-out: {summary(accuracy_by_kind(first(heldout), prm_logits(scorer, first(heldout))))}")
+        hits = accuracy_by_kind(first(heldout), prm_logits(scorer, first(heldout)))
+        print(f"  held-out: {summary({name.replace('direct', 'first step'): h for name, h in hits.items()})}")
     if "likelihood" in probes:
         model, tokenizer = load_model_and_tokenizer(args.init, "fp32", "cpu", chat_template="off")
-        model.eval()
+        scorer = LikelihoodProcessRewardModel(model, tokenizer, "\n")  # reward_model.model.head: likelihood
         firsts = first(heldout)
-        scores = [row[0] for row in step_log_probs(model, tokenizer, firsts)]
+        scores = [float(row[0]) for row in scorer.step_log_prob_sums([x.prompt for x in firsts],
+                                                                       [list(x.steps) for x in firsts])]
         right = [s for s, x in zip(scores, firsts) if x.labels[0]]
         wrong = [s for s, x in zip(scores, firsts) if not x.labels[0]]
         print(f"likelihood: AUC of the first step's log-probability, right over wrong: {auc(right, wrong):.3f} "
               f"({len(right)} right, {len(wrong)} wrong first steps)")
-        running = lambda rows: [torch.tensor(r).cumsum(0).tolist() for r in rows]  # noqa: E731
         fit_rows = train[:6000]
-        x = torch.tensor([v for row in running(step_log_probs(model, tokenizer, fit_rows)) for v in row])
-        y = torch.tensor([float(v) for s in fit_rows for v in s.labels])
-        center, scale = x.mean(), x.std()  # a confident model's sums reach -30 and below: fit on z-scores
-        x = (x - center) / scale
-        a, b = torch.zeros((), requires_grad=True), torch.zeros((), requires_grad=True)
-        optimizer = torch.optim.LBFGS([a, b], max_iter=200, line_search_fn="strong_wolfe")
-
-        def closure():
-            optimizer.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(a * x + b, y)
-            loss.backward()
-            return loss
-
-        optimizer.step(closure)
-        a, b = a.item() / scale.item(), b.item() - a.item() * center.item() / scale.item()  # back to raw sums
-        held_rows = [[a * v + b for v in row] for row in running(step_log_probs(model, tokenizer, heldout))]
-        print(f"likelihood, logistic regression on the running sum (logit = {a:.3f} x sum {b:+.3f}):")
+        scorer.fit([x.prompt for x in fit_rows], [list(x.steps) for x in fit_rows], [list(x.labels) for x in fit_rows])
+        held_rows = [row.tolist() for row in scorer.step_logits([x.prompt for x in heldout],
+                                                                [list(x.steps) for x in heldout])]
+        print(f"likelihood head, fit on {len(fit_rows)} training samples (logit = {scorer.weight:.3f} x running sum "
+              f"{scorer.bias:+.3f}):")
         print(f"  held-out: {summary(accuracy_by_kind(heldout, held_rows))}")
     return 0
 

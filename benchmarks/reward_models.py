@@ -15,7 +15,8 @@ completions (150 steps x 16 questions x 8), so outcome and process supervision c
   prm-iter2  --supervision process --iterative 2: the same with the process RM
 
 --rm-init PATH initialises every variant's reward model from that checkpoint ({seed} is replaced;
-reward_model.model.init=checkpoint), e.g. a larger pi_SFT; --variants runs a subset.
+reward_model.model.init=checkpoint), e.g. a larger pi_SFT; --prm-head likelihood gives the process RMs
+the likelihood head (reward_model.model.head); --variants runs a subset.
 --jobs runs that many variants side by side, one thread each. With --breakdown it also prints each
 initial reward model's held-out accuracy by kind of example, and the issue's targets table: the
 outcome RM's pairwise accuracy (all pairs, and right-worked vs wrong-worked), the process RM's step
@@ -36,11 +37,12 @@ VARIANTS = {"orm": ["--reward", "model"], "prm": ["--supervision", "process"],
             "orm-iter2": ["--iterative", "2"], "prm-iter2": ["--supervision", "process", "--iterative", "2"]}
 
 
-def run_variant(seed: int, name: str, sft_run: Path, out: Path, rm_init: str = "") -> dict:
+def run_variant(seed: int, name: str, sft_run: Path, out: Path, rm_init: str = "", prm_head: str = "score") -> dict:
     run_dir = out / f"{name}-s{seed}"
     if not (run_dir / "summary.json").is_file():
         init = (["--reward_model.model.init=checkpoint", f"--reward_model.model.path={rm_init.format(seed=seed)}"]
                 if rm_init else [])
+        init += [f"--reward_model.model.head={prm_head}"] if name.startswith("prm") else []
         cmd = [sys.executable, "-m", "grpokit.cli", "demo", "--quiet", "--seed", str(seed), *VARIANTS[name], *init,
                f"--sft.checkpoint={sft_run / 'checkpoints' / 'sft'}", "--output-dir", str(run_dir)]
         print("+", " ".join(cmd[2:]), file=sys.stderr)
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="variant runs side by side, one thread each")
     parser.add_argument("--rm-init", default="", help="reward-model initialisation checkpoint ({seed} is replaced)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="which variants: " + ", ".join(VARIANTS))
+    parser.add_argument("--prm-head", default="score", choices=["score", "likelihood"],
+                        help="the process RM's head (reward_model.model.head)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(seed, name) for seed in seeds for name in variants]
     with ThreadPoolExecutor(args.jobs) as pool:
         done = dict(zip(todo, pool.map(
-            lambda job: run_variant(job[0], job[1], sft_dir(args, job[0]), out, args.rm_init), todo)))
+            lambda job: run_variant(job[0], job[1], sft_dir(args, job[0]), out, args.rm_init, args.prm_head), todo)))
     rows, by_seed = [], {}
     for seed in seeds:
         rule = json.loads((sft_dir(args, seed) / "summary.json").read_text())

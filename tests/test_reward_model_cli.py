@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -45,8 +46,8 @@ def sft_checkpoint(tmp_path_factory):
     ("flags", "kind"),
     [(["--reward", "model"], "outcome"), (["--supervision", "process"], "process"), (["--iterative", "2", "--beta", "0.05"], "outcome"),
      (["--supervision", "process", "--reward_model.hard_negatives=2", "--reward_model.balance_step_labels=true"],
-      "process")],
-    ids=["reward-model", "process", "iterative", "process-hard-negatives-balanced"],
+      "process"), (["--supervision", "process", "--iterative", "2", "--reward_model.model.head=likelihood"], "process")],
+    ids=["reward-model", "process", "iterative", "process-hard-negatives-balanced", "likelihood-iterative"],
 )
 def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
     out = tmp_path / "run"
@@ -57,9 +58,14 @@ def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
     assert summary["reward"] == "model" and summary["supervision"] == kind
     # The model-reward variants anchor the policy harder unless a beta is given.
     assert load_config(out / "config.yaml").grpo.beta == (0.05 if "--beta" in flags else 0.2)
-    assert json.loads((out / "reward_model" / META_FILE).read_text())["kind"] == kind
-    auto = AutoModelForTokenClassification if kind == "process" else AutoModelForSequenceClassification
-    assert auto.from_pretrained(out / "reward_model").config.num_labels == 1
+    meta = json.loads((out / "reward_model" / META_FILE).read_text())
+    assert meta["kind"] == kind
+    if "--reward_model.model.head=likelihood" in flags:  # a causal LM and its fitted a, b
+        assert meta["head"] == "likelihood" and math.isfinite(meta["weight"]) and math.isfinite(meta["bias"])
+        assert AutoModelForCausalLM.from_pretrained(out / "reward_model").config.vocab_size > 0
+    else:
+        auto = AutoModelForTokenClassification if kind == "process" else AutoModelForSequenceClassification
+        assert auto.from_pretrained(out / "reward_model").config.num_labels == 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     if kind == "process":
@@ -71,7 +77,8 @@ def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
         refreshes = summary["reward_model_refreshes"]
         assert len(refreshes) == 1 and refreshes[0]["replay_examples"] > 0
         # the drift the refresh answers: the old reward model on the same held-out samples of the new policy
-        assert refreshes[0]["before_refresh"]["pairs"] == refreshes[0]["pairs"]
+        count = "pairs" if kind == "outcome" else "steps"
+        assert refreshes[0]["before_refresh"][count] == refreshes[0][count]
         assert "before_refresh" not in summary["reward_model"]  # round 0 has nothing to refresh
         assert (out / "iterations" / "iter-1" / "state.json").is_file()
         assert (out / "replay_buffer.jsonl").is_file()

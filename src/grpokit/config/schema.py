@@ -443,6 +443,10 @@ class RewardModelBackboneConfig:
     num_layers: int = opt(4, "init: tiny: transformer blocks")
     num_heads: int = opt(4, "init: tiny: attention heads")
     intermediate_size: int = opt(512, "init: tiny: MLP width")
+    head: Literal["score", "likelihood"] = opt(
+        "score", "process RM: score (a trained scalar head at each step's last token, as DeepSeekMath) or "
+                 "likelihood (the frozen backbone's step log-probabilities through a fitted a*sum+b; it verifies "
+                 "where a score head cannot learn to: docs/results/reward-models.md)")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
@@ -481,6 +485,8 @@ class RewardModelConfig:
         yield from failed([
             *_bounds(self, "reward_model", counts=("batch_size",)),
             (self.step_delimiter != "", "reward_model.step_delimiter must not be empty"),
+            (self.model.head == "score" or self.kind != "outcome",
+             "reward_model.model.head=likelihood scores steps: it needs reward_model.kind=process (or --process)"),
             (not self.path or self.model.init == "policy",
              f"reward_model.model.init is {self.model.init!r}, but reward_model.path loads a trained reward model, "
              "which keeps its own weights: clear one of them"),

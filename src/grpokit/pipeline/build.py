@@ -3,6 +3,7 @@ config, the policy, the rollout engine, the trainer and the reward model. stages
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from grpokit.models.precision import compute_dtype, resolve_precision, set_compu
 from grpokit.models.value import trained_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
+from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel
 from grpokit.rewards.registry import reward_function
 from grpokit.rewards.scoring import row_columns, score_completions
 from grpokit.rollout import make_engine
@@ -159,6 +161,10 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
             raise ConfigError(f"reward_model.kind is {rm.kind!r} but {path} holds a {info.kind} reward model")
         _note_own_tokenizer(rm_tokenizer, tokenizer, "the reward model's tokenizer differs from the policy's")
         scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
+    elif rm.model.head == "likelihood":  # the backbone's own LM, frozen: a copy, since the policy trains on
+        backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
+        model = (copy.deepcopy(backbone) if backbone is policy else backbone).to(resolve_device(rm.device))
+        scorer = LikelihoodProcessRewardModel(model, rm_tokenizer, rm.step_delimiter, rm.batch_size)
     else:
         backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
         model = new_reward_model(backbone, rm_tokenizer, rm.kind).to(resolve_device(rm.device))

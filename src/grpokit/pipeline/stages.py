@@ -223,8 +223,8 @@ def _check_reward_model_fits(config: Config, trains: bool = False) -> None:
     key that sets its size, before any model loads (the count is a lower bound: the refusal is sure)."""
     rm, spec = config.reward_model, config.reward_model.model
     trains = trains or not rm.path or config.iterative.iterations > 1
-    if rm.kind == "none" or not trains:
-        return
+    if rm.kind == "none" or not trains or (spec.head == "likelihood" and not rm.path):
+        return  # a likelihood head trains two numbers, not its LM
     if rm.path:
         key, parameters = "reward_model.path", checkpoint_parameters(rm.path)
     elif spec.init == "checkpoint":

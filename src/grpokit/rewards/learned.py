@@ -39,6 +39,9 @@ class RewardModelInfo:
 
     kind: Kind
     step_delimiter: str = "\n"
+    head: str = "score"  # or "likelihood": a causal LM whose step log-probs give the scores (likelihood_prm.py)
+    weight: float = 1.0  # the likelihood head's a and b: logit = a * running sum of step log-probs + b
+    bias: float = 0.0
 
 
 def _auto_class(kind: str):
@@ -93,7 +96,12 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
         tokenizer.pad_token = tokenizer.eos_token
     precision = resolve_precision(dtype, master_dtype, dev)
     weights = (master_weights_dir(directory) if precision.master == torch.float32 else None) or directory
-    model = _auto_class(info.kind).from_pretrained(weights, dtype=precision.master, num_labels=1).to(dev)
+    if info.head == "likelihood":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=precision.master).to(dev)
+    else:
+        model = _auto_class(info.kind).from_pretrained(weights, dtype=precision.master, num_labels=1).to(dev)
     set_compute_dtype(model, precision.compute)
     model.config.pad_token_id = tokenizer.pad_token_id  # `encode` pads with it; the sequence head must agree
     return model.eval(), tokenizer, info
@@ -252,6 +260,17 @@ class ProcessRewardModel:
 
 def as_scorer(model, tokenizer, info: RewardModelInfo, batch_size: int = 64):
     """The scorer object for a loaded reward model."""
+    if info.head == "likelihood":
+        from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel  # it builds on this module
+
+        return LikelihoodProcessRewardModel(model, tokenizer, info.step_delimiter, batch_size, info.weight, info.bias)
     if info.kind == "process":
         return ProcessRewardModel(model, tokenizer, info.step_delimiter, batch_size)
     return OutcomeRewardModel(model, tokenizer, batch_size)
+
+
+def scorer_info(scorer, step_delimiter: str) -> RewardModelInfo:
+    """What to save beside a scorer's weights."""
+    if getattr(scorer, "head", "score") == "likelihood":
+        return RewardModelInfo("process", step_delimiter, "likelihood", scorer.weight, scorer.bias)
+    return RewardModelInfo(scorer.kind, step_delimiter)

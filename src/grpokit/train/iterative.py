@@ -23,7 +23,7 @@ from typing import Callable
 from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import IterativeConfig, RewardModelConfig
 from grpokit.data.reward_data import write_jsonl
-from grpokit.rewards.learned import RewardModelInfo, save_reward_model
+from grpokit.rewards.learned import save_reward_model, scorer_info
 from grpokit.rollout import HFEngine
 from grpokit.train.reward_model import (
     ReplayBuffer,
@@ -117,7 +117,7 @@ class RewardModelStage:
         return metrics
 
     def save(self, path: Path, metrics: dict | None = None) -> Path:
-        info = RewardModelInfo(self.kind, self.config.step_delimiter)
+        info = scorer_info(self.scorer, self.config.step_delimiter)
         return save_reward_model(self.scorer.model, self.scorer.tokenizer, info, path, metrics)
 
 

@@ -71,6 +71,8 @@ def fit_reward_model(scorer, train: list[Example], config: RewardModelConfig, se
     kind_ok = isinstance(scorer, OutcomeRewardModel) == isinstance(train[0], PreferencePair)
     if not kind_ok:
         raise ValueError(f"a {scorer.kind} reward model cannot train on {type(train[0]).__name__} data")
+    if getattr(scorer, "head", "score") == "likelihood":  # a frozen LM: only its two-parameter head fits
+        return [scorer.fit([x.prompt for x in train], [list(x.steps) for x in train], [list(x.labels) for x in train])]
     model = scorer.model
     optimizer = make_optimizer(model, config.train.learning_rate, 0.0)
     scheduler = warmup_cosine(optimizer, config.train.warmup_steps, config.train.max_steps)
