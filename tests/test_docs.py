@@ -176,9 +176,12 @@ def test_every_command_example_is_real(argv, output, env, monkeypatch):
                     if line.startswith("grpokit: config error: ")), None)
     if refused is not None:  # the Bad input reference: refused, with the message it quotes
         from grpokit.models.loading import check_model_config
+        from grpokit.pipeline.stages import check_reward_model_setup
 
-        with pytest.raises(ConfigError) as err:
-            check_model_config(_config_of(argv))
+        with pytest.raises(ConfigError) as err:  # the checks made before any model loads
+            config = _config_of(argv)
+            check_model_config(config)
+            check_reward_model_setup(config)
         # `...` in a quoted message stands for a long list cut short
         assert re.fullmatch(".*?".join(map(re.escape, refused.split("..."))), str(err.value)), str(err.value)
         return
