@@ -66,7 +66,8 @@ def breakdown(run_dir: Path, seed: int) -> dict[str, list[bool]]:
 
     from grpokit.data.arithmetic import shows_steps
     from grpokit.data.reward_data import PreferencePair, StepLabelledSample
-    from grpokit.rewards.learned import as_scorer, load_reward_model
+    from grpokit.rewards.learned import load_reward_model
+    from grpokit.rewards.scorers import as_scorer
     from grpokit.train.reward_model import split_by_prompt
 
     model, tokenizer, info = load_reward_model(run_dir / "reward_model", device="cpu")

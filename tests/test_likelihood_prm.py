@@ -9,7 +9,8 @@ import torch
 from grpokit.config import ConfigError, load_config
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.pipeline.build import ASCII_ALPHABET
-from grpokit.rewards.learned import as_scorer, load_reward_model, save_reward_model, scorer_info
+from grpokit.rewards.learned import load_reward_model, save_reward_model
+from grpokit.rewards.scorers import as_scorer, scorer_info
 from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel
 
 

@@ -20,9 +20,10 @@ from grpokit.models.device import model_device
 from grpokit.models.precision import compute_dtype, resolve_precision, set_compute_dtype
 from grpokit.models.value import trained_dtype
 from grpokit.rewards import WeightedReward
-from grpokit.rewards.learned import as_scorer, load_reward_model, new_reward_model
+from grpokit.rewards.learned import load_reward_model, new_reward_model
 from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel
 from grpokit.rewards.registry import reward_function
+from grpokit.rewards.scorers import as_scorer
 from grpokit.rewards.scoring import row_columns, score_completions
 from grpokit.rollout import make_engine
 from grpokit.tasks import Task

@@ -68,7 +68,10 @@ def new_reward_model(policy: torch.nn.Module, tokenizer, kind: Kind) -> torch.nn
 def save_reward_model(model, tokenizer, info: RewardModelInfo, path: str | Path, metrics: dict | None = None) -> Path:
     """Atomically write weights, tokenizer, grpokit_reward_model.json (and metrics.json)."""
     def extra(directory: Path) -> None:
-        (directory / META_FILE).write_text(json.dumps(asdict(info), indent=2))
+        record = asdict(info)
+        if info.head == "score":  # the file score heads always had: kind and step_delimiter
+            record = {"kind": info.kind, "step_delimiter": info.step_delimiter}
+        (directory / META_FILE).write_text(json.dumps(record, indent=2))
         if metrics is not None:
             (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
 
@@ -256,21 +259,3 @@ class ProcessRewardModel:
                 out.append(StepScores(torch.sigmoid(row).cpu().tolist(), step_char_ends(pieces),
                                       self.delimiter in completion))
         return out
-
-
-def as_scorer(model, tokenizer, info: RewardModelInfo, batch_size: int = 64):
-    """The scorer object for a loaded reward model."""
-    if info.head == "likelihood":
-        from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel  # it builds on this module
-
-        return LikelihoodProcessRewardModel(model, tokenizer, info.step_delimiter, batch_size, info.weight, info.bias)
-    if info.kind == "process":
-        return ProcessRewardModel(model, tokenizer, info.step_delimiter, batch_size)
-    return OutcomeRewardModel(model, tokenizer, batch_size)
-
-
-def scorer_info(scorer, step_delimiter: str) -> RewardModelInfo:
-    """What to save beside a scorer's weights."""
-    if getattr(scorer, "head", "score") == "likelihood":
-        return RewardModelInfo("process", step_delimiter, "likelihood", scorer.weight, scorer.bias)
-    return RewardModelInfo(scorer.kind, step_delimiter)

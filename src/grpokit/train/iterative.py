@@ -23,7 +23,8 @@ from typing import Callable
 from grpokit.run.checkpoint import save_checkpoint
 from grpokit.config import IterativeConfig, RewardModelConfig
 from grpokit.data.reward_data import write_jsonl
-from grpokit.rewards.learned import save_reward_model, scorer_info
+from grpokit.rewards.learned import save_reward_model
+from grpokit.rewards.scorers import scorer_info
 from grpokit.rollout import HFEngine
 from grpokit.train.reward_model import (
     ReplayBuffer,
