@@ -245,7 +245,7 @@ def _check_reward_model_fits(config: Config, trains: bool = False) -> None:
 def _policy_vocab_size(config: Config) -> int:
     """The policy's vocabulary size when its config.json is on disk, else 0 (then the tiny reward
     model's count leaves out its embedding and stays a lower bound)."""
-    config_file = Path(config.model.name_or_path or ".") / "config.json"
+    config_file = Path(config.model.name_or_path) / "config.json"
     if not config.model.name_or_path or not config_file.is_file():
         return 0
     return int(json.loads(config_file.read_text()).get("vocab_size") or 0)
