@@ -13,6 +13,10 @@ and reused. Each layout is one `grpokit train` run, its layouts alternating over
   one_step_off   the same layout, rollout.mode=one_step_off: step t+1's batch is sampled while
                  step t learns
   async          the same layout, rollout.mode=async with rollout.max_staleness=2
+  one_step_off_spawn / one_step_off_ray
+                 one_step_off with a worker the trainer spawns (TCP store, gloo pushes) or that Ray places
+                 as an actor (distributed.launcher=ray: mailbox actor, object-store pushes); unpinned,
+                 1 thread each: the launcher's overhead side by side
 
 The worker is started as a remote machine's would be (rollout.worker_launch=external, `grpokit
 rollout-worker --connect`), pinned to its core with taskset. Reported per layout: the median of
@@ -41,6 +45,10 @@ LAYOUTS = {
     "sync": {"mode": "sync", "workers": 1},
     "one_step_off": {"mode": "one_step_off", "workers": 1},
     "async": {"mode": "async", "workers": 1, "max_staleness": 2},
+    # distributed.launcher against today's transport: the trainer spawns its worker (TCP store, gloo pushes)
+    # or Ray places it as an actor (mailbox actor, object-store pushes); neither pinned, 1 thread each
+    "one_step_off_spawn": {"mode": "one_step_off", "workers": 1, "spawned": True},
+    "one_step_off_ray": {"mode": "one_step_off", "workers": 1, "spawned": True, "launcher": "ray"},
 }
 
 
@@ -54,7 +62,7 @@ def config_yaml(prepared: dict, layout: dict, steps: int, port: int, run_dir: Pa
     shape = CONFIGS["113m"]
     b, g = shape["prompts"], shape["generations"]
     rollout = {"mode": layout["mode"], "workers": layout["workers"]}
-    if layout["workers"]:
+    if layout["workers"] and not layout.get("spawned"):
         rollout.update(worker_launch="external", worker_address=f"127.0.0.1:{port}")
     if "max_staleness" in layout:
         rollout["max_staleness"] = layout["max_staleness"]
@@ -67,6 +75,7 @@ def config_yaml(prepared: dict, layout: dict, steps: int, port: int, run_dir: Pa
                  "warmup_steps": 0, "loss_aggregation": "sequence", "micro_batch_size": b * g,
                  "generation_batch_size": b * g},
         "rollout": rollout,
+        "distributed": {"launcher": layout.get("launcher", "torchrun")},
     }
     return json.dumps(config)  # JSON is YAML
 
@@ -77,14 +86,16 @@ def run_layout(name: str, prepared: dict, steps: int, workdir: Path) -> list[dic
     shutil.rmtree(run_dir, ignore_errors=True)
     config = workdir / f"{name}.yaml"
     config.write_text(config_yaml(prepared, layout, steps, port, run_dir))
-    cores = "0,1" if not layout["workers"] else "0"
+    cores = "0,1" if not layout["workers"] or layout.get("spawned") else "0"
     threads = 2 if not layout["workers"] else 1
     trainer = subprocess.Popen(["taskset", "-c", cores, sys.executable, "-m", "grpokit", "train", str(config),
-                                "--quiet"], env=_thread_env(threads), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    workers = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "grpokit", "rollout-worker", "--connect",
-                                 f"127.0.0.1:{port}", "--index", "0", "--threads", "1"], env=_thread_env(1),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)] if layout["workers"] else []
+                                "--quiet"], env=dict(_thread_env(threads), RAY_USAGE_STATS_ENABLED="0"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    if layout["workers"] and not layout.get("spawned"):  # started by hand, as on another machine, on core 1
+        workers.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "grpokit", "rollout-worker",
+                                         "--connect", f"127.0.0.1:{port}", "--index", "0", "--threads", "1"],
+                                        env=_thread_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     out, _ = trainer.communicate()
     for w in workers:
         w.wait(timeout=120)

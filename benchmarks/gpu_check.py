@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 480  # the whole check, wheels install included
 # Each step's time limit in seconds. The steps run one after another, except PARALLEL's, which run
 # side by side at the end; schedule_seconds(CAPS) stays within DEADLINE_S (tests/test_gpu_check.py).
-CAPS = {"setup": 30, "generate": 115, "grpo_lora": 95, "grpo_full": 85, "demo": 155, "real": 155}
+CAPS = {"setup": 30, "packing": 20, "generate": 95, "grpo_lora": 95, "grpo_full": 85, "demo": 155, "real": 155}
 PARALLEL = ("demo", "real")
 STEPS = tuple(CAPS)
 # Dense bf16 matrix-product peaks by device name, first match wins: (name part, TFLOP/s, source).
@@ -425,6 +425,22 @@ class Check:
             raise StepFailed("no policy: step `generate` did not build one")
         return info.parent, json.loads(info.read_text())
 
+    def step_packing(self) -> tuple[str, dict]:
+        """Packed against padded log-probs under flash_attention_2, two packed rows a forward: whether the
+        kernel keeps packed samples apart there, and that grpokit pads where it does not."""
+        ran = self.run("packing", [self.python, __file__, "packing", "--device", self.device])
+        found = next((json.loads(line[8:]) for line in ran.tail.splitlines() if line.startswith("PACKING ")), None)
+        if found is None:
+            raise StepFailed(ran.why() if not ran.ok else "no PACKING line")
+        if "skip" in found:
+            raise StepSkipped(found["skip"])
+        line = (f"flash_attention_2, {found['rows']} packed rows of {found['samples']} samples in one forward: max "
+                f"|packed - padded| log-prob {found['max_diff']:.3g} (bf16 tolerance {found['tolerance']}); grpokit "
+                f"{'packs' if found['packs'] else 'pads'} under grpo.pack_rows=auto")
+        if found["max_diff"] > found["tolerance"] and found["packs"]:
+            raise StepFailed(line + ": packed samples attend to each other, yet grpokit packs")
+        return line, found
+
     def step_generate(self) -> tuple[str, dict]:
         """Build the benchmark policy (the GRPO steps train it), then time each engine on it; one
         process for both, one start-up fewer."""
@@ -673,7 +689,7 @@ def run_check(check: Check, steps: list[str]) -> dict:
     with its own log appended to the main one when done); summary.json after each."""
     summary = {"device": check.device, "started": datetime.datetime.now().isoformat(timespec="seconds"),
                "deadline_s": check.deadline_s, "work_dir": str(check.work), "steps": {}}
-    actions = {"setup": check.step_setup, "generate": check.step_generate,
+    actions = {"setup": check.step_setup, "packing": check.step_packing, "generate": check.step_generate,
                "grpo_lora": lambda: check.step_grpo("grpo_lora", lora=True),
                "grpo_full": lambda: check.step_grpo("grpo_full", lora=False),
                "demo": check.step_demo, "real": check.step_real}
@@ -816,6 +832,47 @@ def generation_benchmark(policy_dir: Path, engines: list[str], prompts: int, gen
     return out
 
 
+def packing_probe(device: str) -> int:
+    """The packing step's measurement in one process: a small random Llama under flash_attention_2 in bf16,
+    8 samples packed into rows of two or three, log-probs packed (one forward of every packed row) against
+    padded, and what grpokit's grpo.pack_rows=auto decides for it. Prints one PACKING {json} line."""
+    import importlib.util
+
+    import torch
+
+    if device != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        why = "no CUDA device" if device != "cuda" else "flash_attn is not installed"
+        print("PACKING " + json.dumps({"skip": f"{why}: flash_attention_2 not measured (grpokit pads under it)"}))
+        return 0
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpokit.models.logprobs import token_logprobs
+    from grpokit.train.packing import decide_packing
+    from grpokit.types import Rollout
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="flash_attention_2")
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    samples, prompt, completion = 8, 16, 48
+    ids = torch.randint(3, 512, (samples, prompt + completion), device="cuda")
+    mask = torch.ones_like(ids)
+    for row in range(samples):  # completions of different lengths, so samples share packed rows unevenly
+        mask[row, prompt + completion - 4 * row:] = 0
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, ids, mask, prompt, micro_batch_size=64)
+        width = 2 * (prompt + completion)
+        packed, _ = token_logprobs(model, ids, mask, prompt, micro_batch_size=64, pack=True, pack_width=width)
+    rollout = Rollout(prompts=[""] * samples, completions=[""] * samples, input_ids=ids.cpu(), attention_mask=mask.cpu(),
+                      completion_mask=mask[:, prompt:].cpu(), truncated=torch.zeros(samples, dtype=torch.bool),
+                      prompt_length=prompt, group_size=samples)
+    packs = decide_packing("auto", model, rollout, 0, 16384, 1)
+    print("PACKING " + json.dumps({"samples": samples, "rows": -(-samples * (prompt + completion) // width),
+                                   "max_diff": float((packed - padded).abs().max()), "tolerance": 0.1,
+                                   "packs": packs}))
+    return 0
+
+
 def real_run(base: Path) -> int:
     """The real step's phases in this one process (one start-up, not four), as base/plan.json gives
     them: SFT, `grpokit eval` of pi_SFT, GRPO from it (peak memory as `probe` measures it), `grpokit
@@ -902,6 +959,10 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv[1:])
         save_policy(a.size, a.directory, a.prompts, a.device)
         return 0
+    if argv[:1] == ["packing"]:
+        p = argparse.ArgumentParser(prog="gpu_check.py packing")
+        p.add_argument("--device", default="cuda")
+        return packing_probe(p.parse_args(argv[1:]).device)
     if argv[:1] == ["generate"]:
         p = argparse.ArgumentParser(prog="gpu_check.py generate")
         p.add_argument("policy", type=Path)

@@ -5,7 +5,9 @@
 # The timed steps have the GPU alone; demo and real (accuracy targets, small models) run side by side.
 #   setup      30 s  install --wheels, import torch, transformers, peft, pydantic, math_verify, grpokit; CUDA;
 #                    the MFU peak by the device's name (H200 790, H100 989, H100 PCIe 756 TFLOP/s bf16)
-#   generate  115 s  a random-init Qwen2 with Qwen2-0.5B's shapes and a character tokenizer built offline (the
+#   packing    20 s  flash_attention_2 (when installed): packed against padded log-probs with two packed rows a
+#                    forward, and that grpokit pads (grpo.pack_rows=auto) where they differ; SKIP without it
+#   generate   95 s  a random-init Qwen2 with Qwen2-0.5B's shapes and a character tokenizer built offline (the
 #                    policy the GRPO steps train); completion tokens/s, 64 completions of 1,024 tokens in bf16,
 #                    plain `generate` (hf) beside the static-cache engine (hf_static): target >= 10,000 tokens/s
 #                    for the fast one

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.rollout.logprobs import position_ids_for, token_logprobs
+from grpokit.models.logprobs import position_ids_for, token_logprobs
 
 VOCAB = 151_936
 TEMPERATURE = 0.7

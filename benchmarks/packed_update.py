@@ -32,7 +32,7 @@ from grpokit.config import GRPOConfig
 from grpokit.micro_batches import RowLayout
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rewards import WeightedReward
-from grpokit.rollout.logprobs import token_logprobs
+from grpokit.models.logprobs import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.packing import packs_apart
 from grpokit.types import Rollout

@@ -99,7 +99,8 @@ CONFIGS = {
                 "lora": {"r": 16, "alpha": 32.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"]}},
 }
-FRAMEWORKS = {"trl": "TRL", "grpokit": "grpokit+hf", "grpokit-vllm": "grpokit+vllm"}
+FRAMEWORKS = {"trl": "TRL", "grpokit": "grpokit+hf", "grpokit-shared": "grpokit+hf, shared prefill",
+              "grpokit-vllm": "grpokit+vllm"}
 EOS_FREE_LOGIT_STD = 4.0  # head logit scale that makes a zero EOS logit ~never sampled
 BETA, EPSILON = 0.04, 0.2
 REWARD_WINDOW = 20
@@ -297,6 +298,7 @@ def run_grpokit(args) -> dict:
     from grpokit.config import GRPOConfig, LoraConfig
     from grpokit.run.metrics import read_metrics
     from grpokit.models import load_model_and_tokenizer
+    from grpokit.config import RolloutConfig
     from grpokit.models.lora import AdapterDisabledReference, apply_lora
     from grpokit.rewards import WeightedReward
     from grpokit.train.grpo import GRPOTrainer
@@ -336,8 +338,10 @@ def run_grpokit(args) -> dict:
 
         engine = VLLMEngine(model, tokenizer, max_model_len=256 + shape["max_new_tokens"], kv_cache_gb=1.0,
                             dtype="float32", seed=args.seed)
+    # grpokit-shared: rollout.shared_prefill, each prompt's prefill once per group (rollout/sampler.py)
+    rollout = RolloutConfig(shared_prefill=args.framework == "grpokit-shared")
     trainer = GRPOTrainer(model, tokenizer, rewards, _load_rows(args.data), config, run_dir, seed=args.seed,
-                          progress=False, engine=engine)
+                          progress=False, engine=engine, rollout_config=rollout)
     check_reference("grpokit", trainer.model, trainer.ref_model, bool(shape.get("lora")),
                     isinstance(trainer.ref_model, AdapterDisabledReference))
 
@@ -776,7 +780,8 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of both (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frameworks", default="trl,grpokit",
-                   help="comma-separated, from trl, grpokit (its hf engine) and grpokit-vllm (needs vllm: run in "
+                   help="comma-separated, from trl, grpokit (its hf engine), grpokit-shared (the same with "
+                        "rollout.shared_prefill) and grpokit-vllm (needs vllm: run in "
                         ".venv-vllm with VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     p.add_argument("--sft-steps", default="tiny=200,small=150,113m=0",
                    help="grpokit SFT steps before GRPO: one number, or per config (default tiny=200,small=150,113m=0)")

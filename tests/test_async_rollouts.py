@@ -13,6 +13,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,13 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpokit.config import ConfigError, GRPOConfig, RolloutConfig, check_world_size, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError, GRPOConfig, RolloutConfig, check_world_size
 from grpokit.rollout.registry import ENGINES, register_engine
 from grpokit.rollout.schedule import batches_ready, sampling_version, worker_shares
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode, rollout_to_dict
 from grpokit.train.grpo import GRPO
 from grpokit.types import Rollout
-from run_helpers import RUN, brief_sft, cli, start, wait_for_rows
+from run_helpers import RUN, brief_sft, cli, rank_failure, start, wait_for_rows
 
 # ---------------------------------------------------------------------------- the schedule
 
@@ -163,10 +166,68 @@ def test_an_engine_that_cannot_run_in_a_worker_is_refused():
         del ENGINES["colocated_only"]
 
 
-def test_workers_beside_several_trainer_processes_are_refused():
-    config = load_config(None, ["--rollout.workers=1", "--grpo.prompts_per_step=8"])
-    with pytest.raises(ConfigError, match="rollout.workers=1 with 2 trainer processes"):
-        check_world_size(config, 2)
+def test_workers_beside_a_sharded_trainer_keep_its_own_rules():
+    """Rollout workers now go with a trainer of several FSDP2 ranks; the batch must still split into whole
+    groups over the ranks."""
+    check_world_size(load_config(None, ["--rollout.workers=1", "--grpo.prompts_per_step=8"]), 2)
+    with pytest.raises(ConfigError, match="grpo.prompts_per_step=7 does not split into whole groups over 2"):
+        check_world_size(load_config(None, ["--rollout.workers=1", "--grpo.prompts_per_step=7"]), 2)
+
+
+class RecordingTransport:
+    """A transport that keeps what the trainer sets: the tasks it queues."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_any_number_of_workers_is_given_the_same_prompts_and_seeds_in_order(workers):
+    """What a step samples does not depend on how many workers share it: the tasks, joined in worker order,
+    are the batch's prompts and per-completion seeds, each worker's share whole groups."""
+    from grpokit.rollout.remote import RemoteRollouts
+
+    remote = object.__new__(RemoteRollouts)  # the queueing alone: no workers, no store
+    remote.workers, remote.group_size, remote.tasks = workers, 4, {}
+    remote.sent, remote.transport = [0] * workers, RecordingTransport()
+    rows = [{"prompt": f"q{i}"} for i in range(6)]
+    seeds = list(range(100, 124))
+    remote.submit(3, 1, rows, seeds)
+    tasks = [Task.from_dict(decode(remote.transport.values[f"task/{w}/0"])) for w in range(workers)]
+    assert [t.worker for t in tasks] == list(range(workers)) and {t.batch for t in tasks} == {3}
+    assert [r for t in tasks for r in t.rows] == rows and [x for t in tasks for x in t.seeds] == seeds
+    assert all(len(t.seeds) == 4 * len(t.rows) for t in tasks)
+
+
+def test_a_sharded_trainer_of_two_ranks_learns_what_one_rank_does_from_one_worker(tmp_path, sft_checkpoint):
+    """one_step_off with one worker: a trainer of 2 FSDP2 ranks (torchrun) against 1 process. Rank 0 holds
+    the schedule and takes each batch, every rank trains on its whole groups, and every rank gathers each
+    sharded tensor while rank 0 pushes it: the same metrics, and final weights within the sync torchrun
+    test's fp32 tolerance (tests/test_distributed.py)."""
+    common = [f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=4", *RUN, "--rollout.mode=one_step_off",
+              "--rollout.workers=1", "--model.dtype=fp32"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cli("train", f"--output_dir={tmp_path / 'one'}", *common, env=env)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                           str(port), "-m", "grpokit", "train", f"--output_dir={tmp_path / 'two'}", *common],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, rank_failure(proc.stderr)
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    keys = ("reward/mean", "loss", "kl", "rollout/staleness_max", "rollout/push_bytes")
+    for a, b in zip(one, two, strict=True):
+        assert {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-5, abs=1e-7)
+    first, last = weights(tmp_path / "one", 2), weights(tmp_path / "one", 4)
+    # steps 3 and 4 moved the weights 20 times the tolerance or more: the comparison below means something
+    assert max(float((last[k] - first[k]).abs().max()) for k in last) > 20 * 1e-5
+    sharded = weights(tmp_path / "two", 4)
+    for k in last:
+        torch.testing.assert_close(sharded[k], last[k], rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- real runs
@@ -417,19 +478,17 @@ def sigkill_after(args: list[str], metrics, rows_before_kill: int) -> None:
 @pytest.mark.slow
 def test_one_step_off_on_the_demo_learns_repeats_exactly_and_resumes_exactly_after_sigkill(tmp_path, seed0_demo):
     """The demo's RL stage from the seed-0 demo's pi_SFT with rollout.mode=one_step_off and one worker:
-    +15 points or more; a second run with the same seed writes the same metrics rows (timings aside)
-    and weights; a third, SIGKILLed after step 70 (checkpoint step-50) and resumed, the same again."""
+    +15 points or more. A second run with the same seed, SIGKILLed after step 70 (checkpoint step-50) and
+    resumed, writes the same metrics rows (timings aside) and weights: its steps 1-70 repeat the first
+    run's from scratch, and the resumed steps 51-150 continue them exactly."""
     args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet",
             "--rollout.mode=one_step_off", "--rollout.workers=1"]
-    first, second, killed = tmp_path / "first", tmp_path / "second", tmp_path / "killed"
+    first, killed = tmp_path / "first", tmp_path / "killed"
     cli(*args, f"--output_dir={first}", timeout=1800)
     summary = json.loads((first / "summary.json").read_text())
     print(f"one_step_off: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%} "
           f"in {summary['wall_seconds']:.0f}s")
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
-    cli(*args, f"--output_dir={second}", timeout=1800)
-    assert comparable(rows(second)) == comparable(rows(first))
-    assert same_weights(weights(second, 150), weights(first, 150))
 
     sigkill_after([*args, f"--output_dir={killed}"], killed / "metrics.jsonl", 70)
     assert (killed / "checkpoints" / "step-50").is_dir() and not (killed / "checkpoints" / "step-150").exists()
@@ -448,3 +507,29 @@ def test_async_with_staleness_2_on_the_demo_learns(tmp_path, seed0_demo):
     print(f"async k=2: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%}")
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
     assert max(r["rollout/staleness_max"] for r in rows(run)) == 2
+
+
+# ---------------------------------------------------------------------------- waiting for a key (both transports)
+
+
+def wait_any_wakes_when_a_key_is_set(trainer, worker):
+    """wait_any: False after its timeout while none of its keys is set; True as soon as another client sets
+    one, long before the timeout."""
+    started = time.monotonic()
+    assert not worker.wait_any(["task/0/0", "stop"], 0.3)
+    assert 0.25 <= time.monotonic() - started < 5
+    threading.Timer(0.2, trainer.set, args=("stop", b"1")).start()
+    started = time.monotonic()
+    assert worker.wait_any(["task/0/0", "stop"], 30.0)
+    assert time.monotonic() - started < 10
+    assert worker.wait_any(["stop"], 0.0)  # set already: no wait
+
+
+def test_the_store_transports_wait_any_wakes_when_a_key_is_set(monkeypatch):
+    from grpokit.rollout.transport import SECRET_ENV, StoreTransport
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    trainer = StoreTransport.host("127.0.0.1:0", 10.0)
+    trainer.set("setup", b"x")  # what a worker's connect waits for
+    wait_any_wakes_when_a_key_is_set(trainer, StoreTransport.connect(trainer.address, 10.0))
+

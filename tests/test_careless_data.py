@@ -237,10 +237,10 @@ def test_eval_counts_the_questions_that_do_not_fit_the_context(tmp_path, tiny):
     data = write_jsonl(tmp_path / "qs.jsonl", questions(10, 400))
     out = tmp_path / "out"
     proc = succeeds(grpokit("eval", tiny, "--data", data, "--mode", "cot", "--max-model-len", "300",
-                            "--max-new-tokens", "8", "--output-dir", out, "--quiet"))
-    assert ("grpokit: 1 of 2 qs CoT questions do not fit --max-model-len=300 with --max-new-tokens=8: they get no "
-            "completion and count as wrong (evaluation never truncates a question); raise --max-model-len or lower "
-            "--max-new-tokens") in proc.stderr
+                            "--grpo.max_completion_length", "8", "--output-dir", out, "--quiet"))
+    assert ("grpokit: 1 of 2 qs CoT questions do not fit --max-model-len=300 with --grpo.max_completion_length=8: "
+            "they get no completion and count as wrong (evaluation never truncates a question); raise --max-model-len or lower "
+            "--grpo.max_completion_length") in proc.stderr
     cell = json.loads((out / "results.json").read_text())["results"]["qs"]["cot"]
     assert (cell["too_long"], cell["total"], cell["stop_reasons"].get("context_limit")) == (1, 2, 1)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from grpokit.config import load_config
+from grpokit.checks import load_config
 from run_helpers import cli
 
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
@@ -34,6 +34,8 @@ def test_demo_writes_the_run_directory(tmp_path):
     for key in ("sft_accuracy", "grpo_accuracy", "wall_seconds"):
         assert isinstance(summary[key], float)
     assert 0.0 <= summary["sft_accuracy"] <= 1.0 and 0.0 <= summary["grpo_accuracy"] <= 1.0
+    assert 50 * 2**20 < summary["peak_rss_bytes"] < 64 * 2**30  # torch alone holds more than 50 MiB
+    assert "GiB (RSS)" in proc.stdout
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     config = load_config(out / "config.yaml")

@@ -7,7 +7,8 @@ import time
 import pytest
 import yaml
 
-from grpokit.config import Config, ConfigError, describe, load_config, save_config, to_dict
+from grpokit.checks import load_config
+from grpokit.config import Config, ConfigError, describe, save_config, to_dict
 
 
 def test_defaults_and_overrides():
@@ -276,3 +277,32 @@ def test_interval_bounds_include_their_closed_ends_only():
 def test_range_checks_name_the_key_the_value_and_the_default(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_config_is_a_leaf_that_imports_no_registry():
+    """grpokit.config is read by every layer, so it imports none of the registries above it."""
+    code = ("import sys, grpokit.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['grpokit', 'rewards'], ['grpokit', 'rollout'], "
+            "['grpokit', 'tasks'], ['grpokit', 'tools'], ['grpokit', 'run'], ['grpokit', 'checks'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_names_are_checked_above_the_config():
+    """grpokit.config checks the values alone; grpokit.checks adds the names, as a run reads a config."""
+    from grpokit import checks
+    from grpokit import config as leaf
+
+    bad = ["--rewards=[{name: math_acuracy}]"]
+    assert leaf.load_config(overrides=bad).rewards[0].name == "math_acuracy"
+    with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown reward function 'math_acuracy'"):
+        load_config(overrides=bad)
+    config = Config()
+    config.rollout.engine = "hff"
+    leaf.validate(config)
+    with pytest.raises(ConfigError, match="rollout.engine: unknown engine 'hff'"):
+        checks.validate(config)
+    config = Config()
+    config.task.name = "countdown"  # the task's own reward replaces the default one
+    checks.check_names(config)
+    assert [r.name for r in config.rewards] == ["grpokit.tasks.countdown:countdown_accuracy"]

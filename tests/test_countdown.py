@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.tasks import TASKS, task_for
 from grpokit.tasks import countdown as cd
 

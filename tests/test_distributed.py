@@ -116,7 +116,7 @@ def sharded_logprob_tiles(rollout) -> dict:
     number of positions the head saw at once, and the largest difference from the plain model's."""
     from grpokit.models.sharding import shard_model
     from grpokit.models.wrapping import fsdp_root
-    from grpokit.rollout.logprobs import token_logprobs
+    from grpokit.models.logprobs import token_logprobs
 
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     plain, sharded = tiny(tokenizer), shard_model(tiny(tokenizer))
@@ -583,3 +583,40 @@ def test_torchrun_grpo_from_the_demo_pi_sft_learns_and_resumes_exactly_after_sig
     b = load_file(killed / "checkpoints" / "step-150" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- how a launched process ends
+
+LAUNCHED = {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}  # what distributed.launched() reads
+
+
+def _launched_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER",)} | LAUNCHED
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_launched_process_leaves_with_its_code_its_atexit_handlers_run_and_its_output_flushed():
+    """distributed.leave skips the interpreter's teardown (where gloo can abort a finished run), not the
+    atexit handlers that stop worker pools, nor output still in a buffer."""
+    proc = _launched_python(
+        "import atexit, sys\n"
+        "from grpokit import distributed\n"
+        "atexit.register(lambda: print('pool stopped', flush=True))\n"
+        "sys.stdout.write('buffered line\\n')\n"  # a pipe: block-buffered, not yet written
+        "distributed.leave(3)\n"
+        "print('never')\n")
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.splitlines() == ["buffered line", "pool stopped"]
+
+
+def test_a_launched_process_that_aborts_prints_the_python_stack_of_the_call_that_aborted():
+    """torchrun reports a rank's SIGABRT as a signal number; grpokit's processes print where it came from."""
+    proc = _launched_python(
+        "import os\n"
+        "from grpokit import distributed\n"
+        "distributed.report_crashes()\n"
+        "def the_call_that_aborts():\n"
+        "    os.abort()\n"
+        "the_call_that_aborts()\n")
+    assert proc.returncode == -6
+    assert "Fatal Python error: Aborted" in proc.stderr and "the_call_that_aborts" in proc.stderr, proc.stderr

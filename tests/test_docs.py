@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from grpokit.cli import COMMANDS, DEMO_PRESET, _parser, config_keys_help, demo_variant_overrides, own_options
-from grpokit.config import Config, ConfigError, load_config, resolve_key
+from grpokit.checks import load_config
+from grpokit.config import Config, ConfigError, resolve_key
 from grpokit.config.loading import _renamed_override
 from grpokit.config.schema import leaf_paths
 
@@ -158,7 +159,7 @@ def test_every_command_example_is_real(argv, output, env, monkeypatch):
         monkeypatch.syspath_prepend(str(ROOT / env["PYTHONPATH"]))
     assert subcommand in grpokit_docs.subcommands(), f"no subcommand {subcommand!r}"
     if subcommand == "bench":
-        assert argv[1:2] in (["cost"], ["memory"], ["--help"]), argv
+        assert argv[1:2] in (["cost"], ["memory"], ["limit"], ["--help"]), argv
         return
     if subcommand not in COMMANDS and subcommand != "eval":  # rollout-worker, convert-gguf: own arguments
         return

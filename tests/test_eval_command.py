@@ -224,7 +224,7 @@ def test_sampling_seeds_depend_on_the_prompt_and_repeat_only():
 # --- the command end to end ----------------------------------------------------------------
 
 
-TINY_RUN = ["--max-new-tokens", "8", "--max-tool-calls", "2", "--quiet"]
+TINY_RUN = ["--grpo.max_completion_length", "8", "--max-tool-calls", "2", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -285,13 +285,40 @@ def test_command_resumes_and_refuses_other_settings(tmp_path, saved_model, capsy
     assert json.loads((out / "results.json").read_text())["results"]["gsm8k_test_sample"]["cot"]["total"] == 3
     capsys.readouterr()
     assert run_cli(saved_model, "--data", GSM8K, "--mode", "cot", "--max-rows", "4", "--output-dir", out,
-                   "--max-new-tokens", "9", "--quiet") == 1
+                   "--grpo.max_completion_length", "9", "--quiet") == 1
     assert "max_new_tokens 8 -> 9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "old"), [
+    (["--eval.k", "4", "--grpo.max_completion_length", "32"], []),
+    (["--k", "4", "--max-new-tokens", "32"], ["--k", "--max-new-tokens"]),
+    (["--k=4", "--grpo.max_completion_length=32"], ["--k"]),
+])
+def test_eval_takes_the_dotted_keys_and_for_now_the_old_flags(argv, old, capsys):
+    """--eval.k and --grpo.max_completion_length, as every other command spells them; --k and
+    --max-new-tokens still work for one release, each with a one-line deprecation warning."""
+    from grpokit.eval.command import _parser
+
+    args = _parser().parse_args(["model", "--data", "x.jsonl", *argv])
+    assert (args.k, args.max_new_tokens) == (4, 32)
+    warned = capsys.readouterr().err.splitlines()
+    new = {"--k": "--eval.k", "--max-new-tokens": "--grpo.max_completion_length"}
+    assert warned == [f"grpokit: warning: {flag} is deprecated: use {new[flag]} (the old flag goes in the next "
+                      "release)" for flag in old]
+    assert "--k " not in _parser().format_help() and "--eval.k K" in _parser().format_help()
+
+
+def test_a_bad_value_names_the_dotted_option(saved_model, tmp_path, capsys):
+    assert run_cli(saved_model, "--data", GSM8K, "--output-dir", tmp_path, "--eval.k", "-1") == 1
+    assert run_cli(saved_model, "--data", GSM8K, "--output-dir", tmp_path, "--max-new-tokens", "0") == 1
+    err = capsys.readouterr().err
+    assert "--eval.k must be 0 or more, got -1" in err
+    assert "--grpo.max_completion_length must be at least 1, got 0" in err
 
 
 def test_command_with_k_samples_reports_maj_and_pass(tmp_path, saved_model, capsys):
     out = tmp_path / "k"
-    assert run_cli(saved_model, "--data", MATH500, "--mode", "cot", "--max-rows", "2", "--k", "2",
+    assert run_cli(saved_model, "--data", MATH500, "--mode", "cot", "--max-rows", "2", "--eval.k", "2",
                    "--temperature", "1.0", "--output-dir", out, *TINY_RUN) == 0
     cell = json.loads((out / "results.json").read_text())["results"]["math500_sample"]["cot"]
     assert 0.0 <= cell["maj@2"] <= cell["pass@2"] <= 1.0
@@ -449,7 +476,7 @@ def test_errors_name_the_problem(tmp_path, saved_model, capsys):
     fails(saved_model, "--data", GSM8K, match="usage: grpokit eval MODEL")
     fails(saved_model, "--data", f"a={GSM8K}", f"a={MATH500}", "--output-dir", out, match="named 'a'")
     fails(tmp_path, "--data", GSM8K, "--output-dir", out, match="neither a model directory")
-    fails(saved_model, "--data", GSM8K, "--k", "2", "--temperature", "0", "--output-dir", out,
+    fails(saved_model, "--data", GSM8K, "--eval.k", "2", "--temperature", "0", "--output-dir", out,
           match="--temperature > 0")
     fails("--compare", tmp_path, out, match="results.json does not exist")
     fails("--completions", SOLUTIONS, "--data", GSM8K, "--max-rows", "1", "--completion-column",

@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.rollout import HFEngine, SamplingParams, make_engine
 from grpokit.rollout import hf_static
 from grpokit.rollout.hf_static import SampledLogprobs, StaticCacheDecoder, StaticCacheEngine, _bucket
-from grpokit.rollout.logprobs import token_logprobs
+from grpokit.models.logprobs import token_logprobs
 from run_helpers import brief_sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,3 +311,30 @@ def test_greedy_completions_equal_plain_generate_on_the_real_checkpoint():
     static = static_engine(model, tokenizer).generate(prompts, 1, params)
     assert static.completions == plain.completions
     assert torch.equal(static.completion_mask, plain.completion_mask)
+
+
+def test_evaluation_never_touches_the_static_caches_training_rollouts_use(tiny_model, tokenizer):
+    """A periodic evaluation between two training batches (other rows, longer prompts) leaves training's
+    caches (same objects, same lengths) and its next batch exactly as without it; the evaluation
+    runs on a decoder of its own (rollout/engine.py, evaluation_engine)."""
+    from grpokit.rollout.engine import evaluation_engine
+
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, batch_size=8)
+
+    def training_batches(with_eval: bool):
+        engine = static_engine(tiny_model, tokenizer)
+        torch.manual_seed(0)
+        first = engine.generate(["1+2", "3+4"], 4, params)
+        caches = dict(engine.decoder._caches)
+        if with_eval:
+            with torch.random.fork_rng():  # as the periodic evaluation forks the run's streams
+                evaluated = evaluation_engine(engine)
+                assert evaluated is not engine and evaluated.model is engine.model
+                evaluated.generate(["9" * 300, "1+1", "2+2"], 1, SamplingParams(max_new_tokens=4, temperature=0))
+            assert evaluated.decoder._caches and evaluated.decoder._positions > engine.decoder._positions
+        assert engine.decoder._caches == caches  # the same cache objects, none grown or replaced
+        second = engine.generate(["5+6", "7+8"], 4, params)
+        return first.input_ids, second.input_ids
+
+    plain, with_eval = training_batches(False), training_batches(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_eval))

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.math import grpo_loss
 
 

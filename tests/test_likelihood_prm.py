@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.pipeline.build import ASCII_ALPHABET
 from grpokit.rewards.learned import load_reward_model, save_reward_model
@@ -75,3 +76,56 @@ def test_a_likelihood_head_needs_a_process_reward_model():
     with pytest.raises(ConfigError, match="head=likelihood scores steps: it needs reward_model.kind=process"):
         load_config(overrides=["--reward_model.kind=outcome", "--reward_model.model.head=likelihood"])
     load_config(overrides=["--reward_model.kind=process", "--reward_model.model.head=likelihood"])
+
+
+def test_a_lora_policys_verifier_saves_and_reloads_as_a_whole_model(lm, tmp_path):
+    """With model.lora.r > 0 the frozen LM is pi_SFT with its adapters merged: a full causal LM on disk
+    (config.json and every weight), whose reloaded step sums equal the adapted policy's."""
+    from grpokit.config.schema import LoraConfig
+    from grpokit.models.lora import apply_lora, merged_copy
+
+    model, tokenizer = lm
+    policy = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)  # adapters that change the function
+    verifier = merged_copy(policy)
+    assert not hasattr(verifier, "peft_config") and hasattr(policy, "peft_config")
+    scorer = LikelihoodProcessRewardModel(verifier, tokenizer, "\n", weight=1.5, bias=0.5)
+    prompts, steps = ["Q: 1+2\n"], [["3\n", "A: 3"]]
+    adapted = LikelihoodProcessRewardModel(policy, tokenizer, "\n").step_log_prob_sums(prompts, steps)[0]
+    assert torch.allclose(scorer.step_log_prob_sums(prompts, steps)[0], adapted, atol=1e-5)
+    save_reward_model(verifier, tokenizer, scorer_info(scorer, "\n"), tmp_path / "rm")
+    assert (tmp_path / "rm" / "config.json").is_file() and not (tmp_path / "rm" / "adapter_config.json").exists()
+    loaded = as_scorer(*load_reward_model(tmp_path / "rm", device="cpu", dtype="fp32"))
+    assert (loaded.weight, loaded.bias) == (1.5, 0.5)
+    assert torch.allclose(loaded.step_log_prob_sums(prompts, steps)[0], adapted, atol=1e-5)
+
+
+def test_a_fit_on_one_step_is_refused_in_one_line_and_labels_all_alike_fit_finitely(lm):
+    import math
+
+    from grpokit.rewards.likelihood_prm import LikelihoodFitError
+
+    model, tokenizer = lm
+    scorer = LikelihoodProcessRewardModel(model, tokenizer, "\n")
+    with pytest.raises(LikelihoodFitError, match=r"cannot be fit on 1 labelled step\(s\).*sample more reward-model "
+                                                 r"data \(reward_model.data.num_questions\)"):
+        scorer.fit(["Q: 1+2\n"], [["3"]], [[True]])  # one step: a NaN a and b before
+    assert (scorer.weight, scorer.bias) == (1.0, 0.0)
+    scorer.fit(["Q: 1+2\n", "Q: 2+2\n"], [["3\n", "A: 3"], ["5\n", "A: 5"]], [[False, False], [False, False]])
+    assert math.isfinite(scorer.weight) and math.isfinite(scorer.bias) and scorer.bias < 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--reward_model.model.init=tiny"], r"init=tiny would leave random and frozen: set reward_model.model.init to "
+                                         r"policy or checkpoint"),
+    (["--reward_model.train.max_steps=10"], r"reward_model.train.max_steps=10 is not used by "
+                                            r"reward_model.model.head=likelihood"),
+    (["--reward_model.train.balance_step_labels=true"], r"reward_model.train.balance_step_labels=True is not used"),
+    (["--reward_model.train.learning_rate=1e-3"], r"reward_model.train.learning_rate=0.001 is not used"),
+])
+def test_a_likelihood_head_refuses_what_it_would_ignore(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=["--reward_model.kind=process", "--reward_model.model.head=likelihood", *overrides])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from grpokit.rollout.logprobs import PLAIN_HEAD_MODEL_TYPES, backbone_and_head, position_ids_for, token_logprobs
+from grpokit.models.logprobs import PLAIN_HEAD_MODEL_TYPES, backbone_and_head, position_ids_for, token_logprobs
 
 VOCAB, PAD, EOS = 53, 0, 1
 PROMPT, COMPLETION = 6, 7
@@ -255,7 +255,7 @@ def test_arguments_are_checked():
 
 
 def test_target_log_softmax_gradient_in_float64():
-    from grpokit.rollout.logprobs import _TargetLogSoftmax
+    from grpokit.models.logprobs import _TargetLogSoftmax
 
     g = torch.Generator().manual_seed(5)
     logits = (3 * torch.randn(2, 3, 11, generator=g, dtype=torch.float64)).requires_grad_()
@@ -278,3 +278,22 @@ def test_bfloat16_model_matches_its_own_logits_and_trains():
     logp.sum().backward()
     head_grad = model.get_output_embeddings().weight.grad
     assert head_grad.dtype == torch.bfloat16 and torch.isfinite(head_grad).all() and head_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_lora_llama_runs_its_lm_head_at_completion_positions_only(pack):
+    """SmolLM2 is a llama trained through LoRA: through the PEFT wrapper the head still sees only the
+    positions that predict completion tokens (the head is about a fifth of SmolLM2's forward)."""
+    from grpokit.models.lora import apply_lora
+    from grpokit.config.schema import LoraConfig
+
+    model = apply_lora(tiny_lm("llama"), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert backbone_and_head(model) is not None
+    ids, mask = padded_batch()
+    positions = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: positions.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        token_logprobs(model, ids, mask, PROMPT, micro_batch_size=ids.shape[0], pack=pack)
+    hook.remove()
+    assert 0 < sum(positions) <= ids.shape[0] * COMPLETION

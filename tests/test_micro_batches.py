@@ -7,12 +7,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from grpokit.bench.memory_probe import RandomTokens
-from grpokit.config import ConfigError, GRPOConfig, SFTConfig, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError, GRPOConfig, SFTConfig
 from grpokit.micro_batches import split_by_tokens, split_until
 from grpokit.models import build_tiny_model
 from grpokit.rewards import WeightedReward
 from grpokit.rollout import token_logprobs
-from grpokit.rollout.logprobs import labelled_logprobs
+from grpokit.models.logprobs import labelled_logprobs
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.ppo import PPOTrainer
 from grpokit.train.sft import (

@@ -41,7 +41,7 @@ def test_each_evaluation_first_readies_an_engine_that_holds_its_own_weights(monk
     sampler's ready_for_eval gives it the step's weights before every evaluation, as before the last one."""
     from types import SimpleNamespace
 
-    from grpokit.config import load_config
+    from grpokit.checks import load_config
     from grpokit.pipeline import stages
 
     calls = []

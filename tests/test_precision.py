@@ -5,6 +5,7 @@ instead of rounding away in bf16. Frozen models are bf16; checkpoints hold bf16 
 transformers loads and the fp32 master weights a resume continues from."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -13,14 +14,15 @@ from transformers import AutoModelForCausalLM
 
 from grpokit.pipeline.build import load_policy
 from grpokit.run.checkpoint import save_checkpoint
-from grpokit.config import ConfigError, GRPOConfig, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import arithmetic
 from grpokit.models.loading import load_model_and_tokenizer
 from grpokit.models.precision import (Precision, compute_autocast, compute_dtype, resolve_precision,
                                       set_compute_dtype)
 from grpokit.models.sharding import mixed_precision_policy
 from grpokit.rewards import WeightedReward
-from grpokit.rollout.logprobs import token_logprobs
+from grpokit.models.logprobs import token_logprobs
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.models.reference import frozen_copy
 
@@ -158,3 +160,28 @@ def test_fsdp2_gathers_in_the_compute_dtype_and_refuses_fp16():
     set_compute_dtype(plain, torch.float16)
     with pytest.raises(ConfigError, match="model.dtype=fp16 cannot train under FSDP2.*model.dtype=bf16"):
         mixed_precision_policy(plain)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_says_once_it_is_slow_and_names_fp32(monkeypatch, capsys):
+    from grpokit.models import precision
+
+    monkeypatch.setattr(precision, "_said_bf16_is_slow", False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    for _ in range(2):
+        assert precision.resolve_precision("bf16", "fp32", torch.device("cpu")).compute == torch.bfloat16
+    lines = [line for line in capsys.readouterr().err.splitlines() if "native bf16" in line]
+    assert len(lines) == 1 and "model.dtype=fp32" in lines[0], lines
+    precision.resolve_precision("fp32", "fp32", torch.device("cpu"))  # fp32 says nothing
+    monkeypatch.setattr(precision, "_said_bf16_is_slow", False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    precision.resolve_precision("bf16", "fp32", torch.device("cpu"))
+    assert "native bf16" not in capsys.readouterr().err
+
+
+def test_cpu_has_native_bf16_reads_the_processor():
+    from grpokit.models.precision import cpu_has_native_bf16
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to compare with")
+    assert cpu_has_native_bf16() == any(f" {flag}" in flags for flag in ("amx_tile", "avx512_bf16"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpokit.config import load_config
+from grpokit.checks import load_config
 from grpokit.data.answers import gsm8k_reference
 from grpokit.errors import ConfigError
 from grpokit.math import process_advantages

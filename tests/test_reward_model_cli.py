@@ -18,7 +18,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from grpokit.config import load_config
+from grpokit.checks import load_config
 from grpokit.rewards.learned import META_FILE
 from run_helpers import cli
 
@@ -26,8 +26,11 @@ TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tin
         "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
         "--num_eval_questions=8", "--eval.k=2", "--sft.max_steps=5", "--sft.warmup_steps=1",
         "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16"]
-TINY_RM = ["--reward_model.num_questions=8", "--reward_model.samples_per_question=4", "--reward_model.max_steps=3",
-           "--reward_model.train_batch_size=4", "--reward_model.warmup_steps=1", "--reward_model.heldout_fraction=0.25"]
+TINY_RM_DATA = ["--reward_model.num_questions=8", "--reward_model.samples_per_question=4",
+                "--reward_model.heldout_fraction=0.25"]
+# the score head's optimizer; the likelihood head has none, and setting these is an error there
+TINY_RM_TRAIN = ["--reward_model.max_steps=3", "--reward_model.train_batch_size=4", "--reward_model.warmup_steps=1"]
+TINY_RM = TINY_RM_DATA + TINY_RM_TRAIN
 
 
 grpokit = functools.partial(cli, timeout=300)
@@ -53,7 +56,8 @@ def sft_checkpoint(tmp_path_factory):
 )
 def test_demo_variant_runs_end_to_end(tmp_path, sft_checkpoint, flags, kind):
     out = tmp_path / "run"
-    proc = grpokit("demo", "--output-dir", str(out), "--quiet", *flags, *TINY, *TINY_RM, "--grpo.max_steps=4",
+    rm_flags = TINY_RM_DATA if "--reward_model.model.head=likelihood" in flags else TINY_RM
+    proc = grpokit("demo", "--output-dir", str(out), "--quiet", *flags, *TINY, *rm_flags, "--grpo.max_steps=4",
                    f"--sft.checkpoint={sft_checkpoint}")
     assert f"{kind} reward model, held-out:" in proc.stdout and "greedy accuracy" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())

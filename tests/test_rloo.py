@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.math.registry import advantage
 
 

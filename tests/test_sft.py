@@ -135,7 +135,7 @@ def demo_policy(dtype: str):
     """The demo's own pi_SFT-to-be, built as `grpokit demo --model.dtype=...` builds it (fp32 master weights)."""
     from grpokit.pipeline.build import load_policy
     from grpokit.cli import DEMO_PRESET
-    from grpokit.config import load_config
+    from grpokit.checks import load_config
 
     return load_policy(load_config(str(DEMO_PRESET), [f"--model.dtype={dtype}", "--output_dir=unused"]))
 
@@ -255,7 +255,7 @@ def test_sft_never_trains_on_tool_output_its_gradient_there_is_zero():
 
 
 def test_sft_masks_tool_output_by_default_and_the_key_keeps_the_old_behaviour():
-    from grpokit.config import load_config
+    from grpokit.checks import load_config
     from grpokit.pipeline.stages import _demonstration_tool_spans
 
     spans = _demonstration_tool_spans(load_config(None, []))

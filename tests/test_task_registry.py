@@ -3,7 +3,8 @@ picks as grpokit always has (math when data names sources, else chain)."""
 
 import pytest
 
-from grpokit.config import ConfigError, load_config
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
 from grpokit.tasks import TASKS, register_task, task_for
 from grpokit.tasks.base import TaskData
 from grpokit.tasks.chain import ChainTask

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpokit.pipeline.build import ASCII_ALPHABET
 from grpokit.run.checkpoint import save_checkpoint, verify_checkpoint
-from grpokit.config import load_config
+from grpokit.checks import load_config
 from grpokit.run.metrics import read_metrics
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from run_helpers import cli

@@ -414,3 +414,27 @@ def test_multi_turn_tool_rollouts_continue_from_token_ids_as_with_transformers(t
     reference, _ = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_length, 1.0)
     torch.testing.assert_close(ro.sampling_logp[sampled], reference[sampled].detach(), atol=1e-4, rtol=0)
     assert (ro.sampling_logp[~sampled] == 0).all()
+
+
+def test_a_checkpoints_sampling_defaults_change_nothing_vllm_samples(tokenizer, tmp_path):
+    """A generation_config.json with top_k 1, min_p, a repetition penalty and a low temperature (hub
+    instruct checkpoints ship such defaults): vLLM starts with generation_config="vllm", so the request's
+    temperature 1 over the whole vocabulary is what it samples, and what it reports (conformance check (a))."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    policy = _policy(tokenizer)
+    with torch.no_grad():
+        policy.get_output_embeddings().weight.normal_(0.0, 1e-3)  # near-equal logits over the vocabulary
+    policy.generation_config.update(do_sample=True, temperature=0.1, top_p=0.5, top_k=1, min_p=0.9,
+                                    repetition_penalty=5.0)
+    policy.save_pretrained(tmp_path / "policy")
+    engine = VLLMEngine(policy, tokenizer, max_model_len=64, kv_cache_gb=0.0625, weights_dir=str(tmp_path / "policy"))
+    try:
+        rollout = engine.generate(["Q: 1+2\n"], 400, SamplingParams(max_new_tokens=1, temperature=1.0),
+                                  seeds=list(range(400)))
+    finally:
+        engine.close()
+    drawn = rollout.completion_ids[:, 0]
+    assert len(set(drawn.tolist())) > len(tokenizer) // 2  # top_k=1 or min_p would leave one or two
+    expected, _ = token_logprobs(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_length)
+    assert torch.allclose(rollout.sampling_logp[:, 0], expected[:, 0].float(), atol=1e-3)

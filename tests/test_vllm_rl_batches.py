@@ -151,7 +151,7 @@ def test_a_vllm_failure_in_grpokit_eval_names_the_completions_kept_and_how_to_co
     out = tmp_path / "eval"
     data = os.path.join(os.path.dirname(__file__), "fixtures", "gsm8k_test_sample.jsonl")
     args = ["eval", str(model_dir), "--data", data, "--mode", "cot", "--max-rows", "4", "--batch-size", "2",
-            "--k", "2", "--temperature", "1.0", "--max-new-tokens", "8", "--engine", "vllm", "--kv-cache-gb",
+            "--eval.k", "2", "--temperature", "1.0", "--grpo.max_completion_length", "8", "--engine", "vllm", "--kv-cache-gb",
             "0.0625", "--max-model-len", "1024", "--output-dir", str(out), "--quiet"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, "-c", FAILING_EVAL, *args], capture_output=True, text=True, timeout=540,

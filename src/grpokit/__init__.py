@@ -3,12 +3,18 @@
 The math is importable from here without loading transformers:
 
     from grpokit import outcome_advantages, process_advantages, kl_k3, grpo_loss, gae_advantages
+
+and training from Python is one call, the same run as `grpokit train` (grpokit/pipeline/api.py; it loads
+the training stack when called, not on `import grpokit`):
+
+    run = grpokit.train("tiny", rewards=["chain_accuracy"], config={"grpo.max_steps": 2})
 """
 
 import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 from grpokit.math import (
@@ -40,6 +46,8 @@ MOVED_MODULES = {
     "grpokit.sandbox": "grpokit.tools.sandbox",
     "grpokit.signals": "grpokit.run.signals",
     "grpokit.stages": "grpokit.pipeline.stages",
+    # 0.3: the log-prob passes sit below rollout and rewards, which both score tokens with them
+    "grpokit.rollout.logprobs": "grpokit.models.logprobs",
 }
 
 
@@ -61,7 +69,32 @@ class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.append(_MovedModule())
 
+
+class _TrainPackage(types.ModuleType):
+    """`grpokit.train` is the package of training loops, and calling it is the front door: a
+    submodule import sets the parent's attribute to the package, so a function of that name would
+    be replaced by it; the package itself is made callable instead."""
+
+    def __call__(self, *args, **kwargs):
+        from grpokit.pipeline.api import train  # the training stack loads here, not on `import grpokit`
+
+        return train(*args, **kwargs)
+
+
+# light: the package's __init__ is its docstring; none of its modules load here
+importlib.import_module("grpokit.train").__class__ = _TrainPackage
+
+
+def __getattr__(name: str):
+    """grpokit.Run, the result of grpokit.train, loaded on first use like the front door."""
+    if name == "Run":
+        from grpokit.pipeline.api import Run
+
+        return Run
+    raise AttributeError(f"module 'grpokit' has no attribute {name!r}")
+
 __all__ = [
+    "Run",
     "__version__",
     "gae_advantages",
     "grpo_loss",
@@ -69,5 +102,6 @@ __all__ = [
     "masked_outcome_advantages",
     "outcome_advantages",
     "process_advantages",
+    "train",
     "value_loss",
 ]

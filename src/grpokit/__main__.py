@@ -2,6 +2,10 @@
 
 import sys
 
+from grpokit import distributed
 from grpokit.cli import main
 
-sys.exit(main())
+code = main()
+if distributed.launched():  # torchrun's process: its group is destroyed; skip the interpreter's teardown
+    distributed.leave(code)
+sys.exit(code)

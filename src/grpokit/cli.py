@@ -11,9 +11,11 @@ from importlib import resources
 
 from grpokit import distributed
 from grpokit.bench.cost import main as cost_main
+from grpokit.bench.limit import main as limit_main
 from grpokit.bench.memory import main as memory_main
 from grpokit.run.checkpoint import CheckpointError
-from grpokit.config import Config, ConfigError, describe, load_config
+from grpokit.checks import load_config  # the config with its names checked against the registries
+from grpokit.config import Config, ConfigError, describe
 from grpokit.data.files import DatasetError
 from grpokit.distributed import PeerFailure
 from grpokit.math import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES
@@ -44,7 +46,7 @@ COMMANDS = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO (DeepSeekMath) for causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="grpokit bench cost | memory: the cost of GRPO vs PPO, measured or analytic",
+    bench = sub.add_parser("bench", help="grpokit bench cost | memory | limit: the cost of GRPO vs PPO, measured or analytic; generation against the machine's limit",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     sub.add_parser("rollout-worker", help="grpokit rollout-worker --connect HOST:PORT --index I: sample for a trainer "
@@ -141,16 +143,19 @@ def demo_variant_overrides(args) -> list[str]:
 
 
 def bench(argv: list[str]) -> int:
-    """`grpokit bench cost ...` (measured) or `grpokit bench memory ...` (analytic)."""
+    """`grpokit bench cost ...` (measured), `grpokit bench memory ...` (analytic) or `grpokit bench limit ...`."""
     if argv[:1] == ["cost"]:
         return cost_main(argv[1:])
     if argv[:1] == ["memory"]:
         return memory_main(argv[1:])
+    if argv[:1] == ["limit"]:
+        return limit_main(argv[1:])
     asked = argv[:1] in (["-h"], ["--help"])
     print("usage: grpokit bench cost [--json PATH] [options]   GRPO vs PPO measured on one model\n"
           "       grpokit bench memory [--params 7e9 ...]      model-state memory of GRPO vs PPO, analytic\n"
           "       grpokit bench memory --measure [...]        peak memory per process, full vs LoRA, 1 vs 2\n"
-          "grpokit bench cost --help, grpokit bench memory --help: their options",
+          "       grpokit bench limit [--json PATH] [options] generation against this machine's bandwidth and FLOP/s\n"
+          "grpokit bench cost --help (memory, limit): their options",
           file=sys.stdout if asked else sys.stderr)
     return 0 if asked else 2
 
@@ -256,10 +261,11 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Failures with a message that already says what to do: no traceback needed."""
     from grpokit.train.failures import NonFiniteTraining, RewardFailure  # see the imports at the top
     from grpokit.train.reward_model import RewardModelDataError
+    from grpokit.rewards.likelihood_prm import LikelihoodFitError
     from grpokit.rollout.wire import RolloutWorkerError
 
     return (CheckpointError, DatasetError, ModelNotFound, RunDirectoryLocked, NonFiniteTraining, RewardFailure,
-            RewardModelDataError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable,
+            RewardModelDataError, LikelihoodFitError, PeerFailure, RunComplete, RunDirectoryInUse, RunDirectoryUnwritable,
             WeightSyncError, RolloutWorkerError, RolloutEngineError)
 
 
@@ -270,8 +276,10 @@ def _run(args, config) -> int:
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
                           "`grpokit sft` are data parallel")
+    distributed.report_crashes()
     distributed.init(config.distributed.timeout_s)
     distributed.main_only_stdout()
+    finished = False
     try:
         progress, mode = not args.quiet, OVERWRITE if args.overwrite else NEW
         if args.command == "demo":
@@ -288,6 +296,7 @@ def _run(args, config) -> int:
             stages.run_train(config, progress, resume=args.resume, force=args.force, run_dir_mode=mode)
         else:
             stages.run_sft(config, progress, mode)
+        finished = True
     except BaseException as err:
         if distributed.is_initialized() and not isinstance(err, (ConfigError, KeyboardInterrupt)):
             reason = (str(err).strip().splitlines() or [""])[0][:300]
@@ -298,7 +307,7 @@ def _run(args, config) -> int:
                   f"same torchrun command and --resume)", file=sys.stderr)
         raise
     finally:
-        distributed.shutdown()
+        distributed.shutdown(finished)
     return 0
 
 

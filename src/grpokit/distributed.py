@@ -12,10 +12,13 @@ Backend: nccl when CUDA is visible, gloo on the CPU. Every collective has a dead
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import faulthandler
 import os
 import sys
 from collections.abc import Iterable, Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -75,9 +78,36 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     return True
 
 
-def shutdown() -> None:
-    if is_initialized():
-        dist.destroy_process_group()
+def shutdown(finished: bool = False) -> None:
+    """Destroy the process group. finished: every process got here without an error, so they meet at a
+    barrier first: a group torn down under a peer's collective still in flight (FSDP2's last
+    reduce-scatter) aborts gloo. After an error no barrier: the failed peer would never come."""
+    if not is_initialized():
+        return
+    if finished:
+        barrier()
+    dist.destroy_process_group()
+
+
+def report_crashes() -> None:
+    """A launched process prints every thread's Python stack if it dies on a signal (SIGABRT, SIGSEGV):
+    torchrun's own report names only the rank and the signal."""
+    if launched() and not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def leave(code: int) -> NoReturn:
+    """End a launched process once its process group is destroyed: atexit handlers (worker pools stop),
+    flushed output, then os._exit, without the interpreter's own finalization. There a gloo thread can
+    drop the last reference to a tensor and take the GIL after the interpreter is gone: a SIGABRT
+    ("terminate called without an active exception") that turns a finished run into a failed one."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe the reader left
+            pass
+    os._exit(code)
 
 
 def rank() -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,23 +24,10 @@ from grpokit.config import GRPOConfig, PPOConfig
 from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, resolve_device
 from grpokit.rewards import WeightedReward
+from grpokit.run.memory import peak_rss_bytes, rss_bytes
 
 STAGES = [("generation", "perf/rollout_time_s"), ("scoring", "perf/scoring_time_s"),
           ("ref/old log-probs", "perf/logprob_time_s"), ("update", "perf/update_time_s")]
-
-
-def _rss_bytes() -> int:
-    """Current resident set size (Linux /proc; falls back to the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _peak_rss_bytes() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def measure(algo: str, args: argparse.Namespace) -> dict:
@@ -51,7 +37,7 @@ def measure(algo: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads) if args.threads else None
 
     device = resolve_device(args.device)
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
@@ -92,7 +78,7 @@ def measure(algo: str, args: argparse.Namespace) -> dict:
         out["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         out["memory_measure"] = "torch.cuda.max_memory_allocated"
     else:
-        out["peak_mem_bytes"] = _peak_rss_bytes()
+        out["peak_mem_bytes"] = peak_rss_bytes()
         out["baseline_rss_bytes"] = baseline
         out["peak_above_baseline_bytes"] = out["peak_mem_bytes"] - baseline
         out["memory_measure"] = "peak RSS (ru_maxrss)"

@@ -1,5 +1,10 @@
 """One config tree of dataclasses: YAML in, `--key=value` overrides, validated before any model loads.
 
+A leaf that every layer reads: it imports no registry. Its validation covers what the values
+themselves say; whether the names in it (rewards, grpo.loss, rollout.engine, task.name, ...) name
+registered pieces is checked above the registries, by grpokit.checks, whose load_config is this
+package's with those checks added (the CLI, grpokit.train(...) and resumed runs read a config so).
+
 Every field carries a one-line doc, the single source for `--help`, YAML keys and the
 config.yaml saved in each run directory. Names follow TRL's GRPOConfig where the concept
 is the same (num_generations, max_completion_length, learning_rate, beta, epsilon, ...).

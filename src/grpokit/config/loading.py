@@ -11,6 +11,7 @@ import difflib
 import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -236,11 +237,13 @@ def apply_overrides(data: dict, overrides: list[str], cls=Config, moved: dict[st
 
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config,
-                announce_renames: bool = True):
+                announce_renames: bool = True, check: Callable[[Config], None] | None = None):
     """Config from optional YAML files (later files override earlier ones, key by key) plus
-    overrides, fully validated. Old keys (RENAMED_KEYS) set their new ones, and an error about
-    one names it as it was written; `announce_renames=False` for a file grpokit wrote itself (a
-    run's config.yaml), whose old keys are no news to the user."""
+    overrides, validated (grpokit.config.validate). Old keys (RENAMED_KEYS) set their new ones, and an
+    error about one names it as it was written; `announce_renames=False` for a file grpokit wrote
+    itself (a run's config.yaml), whose old keys are no news to the user. `check`: more checks of the
+    config, run after validate's and reported the same way; grpokit.checks.load_config passes the
+    registries' (the names of rewards, engines, tasks, ...), which this leaf package does not import."""
     data: dict = {}
     moved: dict[str, str] = {}  # {new key: old key} of the old keys given, to name them as written in errors
     paths = [p for p in (path if isinstance(path, list) else [path]) if p is not None]
@@ -265,6 +268,8 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
         raise ConfigError(_with_old_names(_with_source(err, paths, overrides or [], cls), moved)) from None
     try:
         validate(config)
+        if check is not None:
+            check(config)
     except ConfigError as err:
         if not moved:
             raise

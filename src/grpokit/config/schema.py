@@ -15,11 +15,6 @@ from typing import Any, Literal, Optional
 import pydantic
 
 from grpokit.data.arithmetic import ChainSpec
-from grpokit.run.loggers import TrackerError, check_trackers
-from grpokit.math import registry
-from grpokit.rewards.registry import reward_function
-from grpokit.rollout.registry import ENGINES, engine_spec  # the package import registers every engine
-from grpokit.tools import TOOLS  # the package import registers every tool
 
 _CHAIN = ChainSpec()
 
@@ -41,16 +36,6 @@ def opt(default: Any, help: str) -> Any:
 def failed(checks: Iterable[tuple[bool, str]]) -> Iterator[str]:
     """The message of every (ok, message) pair that is not ok, in order."""
     return (message for ok, message in checks if not ok)
-
-
-def _refusal(check: Callable[[], object], prefix: str = "") -> list[str]:
-    """[the message of the ValueError `check()` raises, after `prefix`], or [] when it raises none:
-    a name that a registry (rewards, losses, engines) does not know, or arguments it refuses."""
-    try:
-        check()
-    except ValueError as err:
-        return [f"{prefix}{err}"]
-    return []
 
 
 def _interval_test(interval: str) -> Callable[[float], bool]:
@@ -148,6 +133,11 @@ class DistributedConfig:
                 "process; on = also with one process under torchrun")
     timeout_s: float = opt(600.0, "seconds a collective waits for the other processes before the run stops "
                                   "with an error (a dead peer never hangs the others)")
+    launcher: Literal["torchrun", "ray"] = opt(
+        "torchrun", "who places the rollout workers and carries their tasks, results and weights: torchrun = "
+                    "processes this trainer spawns (or `grpokit rollout-worker`s) over its TCP store; ray = Ray "
+                    "actors in a placement group, over Ray's object store (pip install 'grpokit[ray]'; "
+                    "docs/guides/ray.md)")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
@@ -184,7 +174,7 @@ class TaskConfig:
         return "math" if data.sources or data.sft_sources or data.eval_sources else "chain"
 
     def problems(self) -> Iterator[str]:
-        """This section's own rules (task.name is checked with the rewards, in grpokit.config.validation)."""
+        """This section's own rules (task.name is checked with the rewards, in grpokit.checks)."""
         modes = self.prompt_modes
         yield from failed([
             *_bounds(self, "task", non_negative=("num_sft_tir_examples",)),
@@ -321,8 +311,8 @@ class GRPOConfig:
                                       "(their updates are skipped)")
 
     def problems(self) -> Iterator[str]:
-        """This section's own rules; grpo.loss and grpo.advantage name registered pieces, and
-        grpo.loss_args suit the loss."""
+        """This section's own rules (that grpo.loss and the advantages name registered pieces, and
+        grpo.loss_args suit the loss, is checked above the registries: grpokit.checks)."""
         g = self
         yield from failed([
             *_bounds(self, "grpo", positive=("learning_rate", "max_grad_norm"),
@@ -337,9 +327,6 @@ class GRPOConfig:
             (1 <= g.num_minibatches <= g.prompts_per_step * g.num_generations,
              f"grpo.num_minibatches must lie in [1, prompts_per_step x num_generations], got {g.num_minibatches}"),
         ])
-        yield from _refusal(lambda: registry.check_args(registry.policy_loss(g.loss), g.loss_args, "grpo.loss_args"))
-        yield from _refusal(lambda: registry.advantage(g.advantage))
-        yield from _refusal(lambda: registry.process_advantage(g.process_advantage))
         if g.loss != "clip" and g.importance_sampling_level != "token":
             yield (f"grpo.importance_sampling_level={g.importance_sampling_level} applies to grpo.loss=clip; "
                    f"grpo.loss={g.loss} uses per-token ratios: set it to token")
@@ -373,12 +360,10 @@ class RewardConfig:
                                    "{max_length: 1024, soft_cache: 256}")
 
     def problems(self, index: int) -> Iterator[str]:
-        """The rules of rewards[index]: its name names a function that exists and can be made from
-        its args, before any model loads (a typo would otherwise surface only after the policy has
-        loaded, minutes in for a 7B model)."""
+        """The rules of rewards[index] (that its name names a function that can be made from its args
+        is checked above the registries: grpokit.checks)."""
         if not (self.timeout_s is None or self.timeout_s > 0):
             yield "rewards[].timeout_s must be > 0 or null"
-        yield from _refusal(lambda: reward_function(self.name, self.args), f"rewards[{index}]: ")
 
 
 @dataclass
@@ -463,6 +448,10 @@ class RewardModelBackboneConfig:
         ])
 
 
+# reward_model.train keys of the score head's optimizer, which the likelihood head has none of
+LIKELIHOOD_UNUSED_TRAIN_KEYS = ("learning_rate", "max_steps", "batch_size", "warmup_steps", "balance_step_labels")
+
+
 @dataclass
 class RewardModelConfig:
     kind: Literal["none", "outcome", "process"] = opt(
@@ -490,9 +479,24 @@ class RewardModelConfig:
             (not self.path or self.model.init == "policy",
              f"reward_model.model.init is {self.model.init!r}, but reward_model.path loads a trained reward model, "
              "which keeps its own weights: clear one of them"),
+            (self.model.head == "score" or self.model.init != "tiny",
+             "reward_model.model.head=likelihood verifies with its backbone's own language model, which "
+             "init=tiny would leave random and frozen: set reward_model.model.init to policy or checkpoint"),
         ])
+        if self.model.head == "likelihood":
+            yield from self._unused_by_likelihood()
         for section in (self.train, self.data, self.label, self.model):
             yield from section.problems()
+
+    def _unused_by_likelihood(self) -> Iterator[str]:
+        """The likelihood head fits two numbers by logistic regression, with no optimizer: reward_model.train's
+        optimizer keys would be ignored, so setting one is an error."""
+        defaults = RewardModelTrainConfig()
+        for key in LIKELIHOOD_UNUSED_TRAIN_KEYS:
+            if getattr(self.train, key) != getattr(defaults, key):
+                yield (f"reward_model.train.{key}={getattr(self.train, key)} is not used by reward_model.model.head="
+                       f"likelihood (its a and b are fit by logistic regression, no optimizer steps): drop it, or "
+                       f"use head=score")
 
 
 @dataclass
@@ -525,6 +529,11 @@ class RolloutConfig:
                                 "grpo.max_completion_length")
     tensor_parallel_size: int = opt(1, "vllm under torchrun: processes (GPUs) that share one engine's weights; "
                                        "must divide the processes per node (torchrun's --nproc_per_node)")
+    shared_prefill: bool = opt(
+        False, "hf and hf_static without a static cache: a group's G completions prefill their prompt once and "
+               "copy its KV cache (2.1x faster generation in fp32 on the SmolLM2 example's batch, "
+               "docs/results/machine-limit.md); the same distribution, other float rounding, so off by default "
+               "until the recorded demo numbers are measured again with it")
     is_correction: str = opt(
         "none", "tis: reweight each token by min(pi_old / pi_sampler, cap) (truncated importance sampling); "
                 "icepop: drop the policy term of tokens whose pi_old / pi_sampler leaves [low, high] (is_args); "
@@ -575,8 +584,8 @@ class RolloutConfig:
         return {**({"cap": self.is_cap} if self.off_policy_correction() == "tis" else {}), **self.is_args}
 
     def problems(self) -> Iterator[str]:
-        """This section's own rules; rollout.is_correction and rollout.engine name registered pieces,
-        and the keys that go with them suit them."""
+        """This section's own rules (that rollout.is_correction, .engine and .tool name registered
+        pieces, and the keys that go with them suit them, is checked above the registries: grpokit.checks)."""
         r = self
         yield from failed([
             *_bounds(self, "rollout", positive=("is_cap", "worker_start_timeout_s"),
@@ -598,44 +607,12 @@ class RolloutConfig:
             (_is_address(r.worker_address),
              f"rollout.worker_address={r.worker_address!r} is not HOST:PORT (e.g. 127.0.0.1:29600, or port 0 for "
              "any free port)"),
-            (not r.tool or r.tool in TOOLS,
-             f"rollout.tool={r.tool!r} is not a registered tool; registered: {', '.join(sorted(TOOLS))}"),
             (bool(r.tool) or not r.tool_args, f"rollout.tool_args={r.tool_args} but no rollout.tool: name the tool "
                                                "they are for, or drop them"),
         ])
-        if r.tool in TOOLS:
-            try:
-                TOOLS[r.tool](**r.tool_args)
-            except (TypeError, ValueError) as err:
-                yield f"rollout.tool_args={r.tool_args} do not suit the {r.tool} tool: {err}"
-        if r.off_policy_correction() is not None:
-            yield from _refusal(lambda: registry.check_args(registry.is_correction(r.off_policy_correction()),
-                                                           r.correction_args(), "rollout.is_args"))
-        elif r.is_args:
+        if r.off_policy_correction() is None and r.is_args:
             yield (f"rollout.is_args={r.is_args} but rollout.is_correction=none: name the correction they are for, "
                    f"or drop them")
-        yield from self._engine_problems()
-
-    def _engine_problems(self) -> Iterator[str]:
-        """rollout.engine names a registered engine whose package is installed, and the engine keys suit it."""
-        try:
-            spec = engine_spec(self.engine)
-        except ValueError as err:
-            yield str(err)
-            return
-        if spec.package and importlib.util.find_spec(spec.package) is None:
-            yield (f"rollout.engine={spec.name} but {spec.package} is not installed: {spec.install} "
-                   f"(or use rollout.engine=hf)")
-        if self.workers and not spec.runs_in_worker:
-            able = " or ".join(sorted(name for name, other in ENGINES.items() if other.runs_in_worker))
-            yield (f"rollout.engine={self.engine} cannot run in a rollout worker (rollout.workers={self.workers}): "
-                   f"use rollout.engine={able}, or rollout.workers=0 with rollout.mode=sync")
-        if spec.check is not None:  # the engine's own rules (a library version it needs, ...)
-            yield from spec.check(self)
-        if self.tensor_parallel_size > 1 and not spec.tensor_parallel:
-            tp_engines = " or ".join(sorted(name for name, other in ENGINES.items() if other.tensor_parallel))
-            yield (f"rollout.tensor_parallel_size={self.tensor_parallel_size} applies to rollout.engine={tp_engines} "
-                   f"only (rollout.engine={self.engine}): set it to 1, or use the {tp_engines} engine")
 
 
 @dataclass
@@ -690,19 +667,15 @@ class Config:
                                                            "task's demonstrations), then train (RL from it)")
 
     def problems(self) -> Iterator[str]:
-        """Every section's own rules, section by section in the tree's order, then the top-level
-        keys' (report_to names trackers whose packages are installed, before any model loads). The
-        rules that span sections are grpokit.config.validation's."""
+        """Every section's own rules, section by section in the tree's order. The rules that span
+        sections are grpokit.config.validation's; those that need a registry (names of rewards, losses,
+        engines, tools, tasks, the report_to trackers) grpokit.checks'."""
         for section in (self.model, self.task, self.data, self.sft, self.grpo, self.ppo):
             yield from section.problems()
         for i, reward in enumerate(self.rewards):
             yield from reward.problems(i)
         for section in (self.reward_model, self.iterative, self.rollout, self.eval, self.distributed):
             yield from section.problems()
-        try:
-            check_trackers(self.report_to)
-        except TrackerError as err:
-            yield str(err)
 
 
 def _forbid_unknown_keys(cls) -> None:

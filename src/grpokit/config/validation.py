@@ -1,22 +1,26 @@
 """Validation of a whole config, before any model loads: each section's own rules (their
-`problems()`, in grpokit.config.schema), then the few rules that span sections, all here."""
+`problems()`, in grpokit.config.schema), then the few rules that span sections, all here. The
+config is a leaf every layer reads, so none of these rules asks a registry: whether a name
+(a reward, loss, engine, tool, task) names a registered piece is grpokit.checks', above them."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
 
-from grpokit.config.schema import Config, RewardConfig, failed
+from grpokit.config.schema import Config, failed
 from grpokit.errors import ConfigError
-from grpokit.rewards.process import is_process_reward
-from grpokit.rewards.registry import reward_function
-from grpokit.tasks.registry import TASKS, task_class
+
+
+# Engines that report each sampled token's log-prob under the distribution it was drawn from (a
+# fact of the engines in grpokit.rollout, written here as names so that the config asks no registry).
+SAMPLER_LOGPROB_ENGINES = ("hf_static", "vllm")
 
 
 def validate(config: Config) -> None:
     """The first problem of `config` as a ConfigError: its sections' own rules, section by section,
-    then the rules that span sections. A named task's own reward replaces the default rewards first."""
-    _take_task_reward(config)
+    then the rules that span sections. The names it gives registered pieces are checked by
+    grpokit.checks.check_names (grpokit.checks.validate: both)."""
     problem = next(itertools.chain(config.problems(), cross_section_problems(config)), None)
     if problem is not None:
         raise ConfigError(problem)
@@ -58,15 +62,29 @@ def cross_section_problems(config: Config) -> Iterator[str]:
         (config.task.prompt_modes.get("tir", 0) == 0 or bool(config.rollout.tool),
          f"task.prompt_modes={config.task.prompt_modes} asks for tool-integrated prompts, whose completions call a "
          f"tool: set rollout.tool (registered: python), or give tir a share of 0"),
+        # The loss's pi_old and TIS read the whole tempered distribution (models/logprobs.py); a nucleus
+        # sampler draws from another one, which only an off-policy correction over the sampler's own
+        # log-probs (hf_static and vllm report them) can account for.
+        (g.top_p == 1.0 or (config.rollout.off_policy_correction() is not None
+                            and config.rollout.engine in SAMPLER_LOGPROB_ENGINES),
+         f"grpo.top_p={g.top_p} samples from the nucleus, while the loss's pi_old log-probs cover the whole "
+         f"vocabulary at grpo.temperature, so every rollout would be off-policy unseen: set grpo.top_p=1, or "
+         f"correct for it with rollout.engine=hf_static (or vllm) and rollout.is_correction=tis"),
+        (g.generation_batch_size >= g.num_generations,
+         f"grpo.generation_batch_size={g.generation_batch_size} cannot hold one group of grpo.num_generations="
+         f"{g.num_generations} completions: raise it to at least {g.num_generations}"),
     ])
     yield from _worker_problems(config)
-    yield from _process_reward_problems(config)
-    yield from _task_problems(config)
 
 
 def _worker_problems(config: Config) -> Iterator[str]:
     """Rollout workers (rollout.workers > 0) with the keys that cannot go with them yet."""
     r, g = config.rollout, config.grpo
+    if config.distributed.launcher == "ray" and not r.workers:
+        yield ("distributed.launcher=ray places rollout workers: set rollout.workers to 1 or more (the trainer is "
+               "this process)")
+    if config.distributed.launcher == "ray" and r.worker_launch == "external":
+        yield ("distributed.launcher=ray starts the rollout workers itself: leave rollout.worker_launch at spawn")
     if not r.workers:
         return
     yield from failed([
@@ -85,66 +103,6 @@ def _worker_problems(config: Config) -> Iterator[str]:
     ])
 
 
-def _process_reward_problems(config: Config) -> Iterator[str]:
-    """Process rewards under `rewards` (step scores, eq. 6) with the keys that cannot go with them."""
-    names = [r.name for r in config.rewards if _is_process_reward(r)]
-    if not names:
-        return
-    yield from failed([
-        (len(names) == 1, f"rewards {names} are all process rewards (step scores); eq. 6 takes one set of steps: "
-                          f"keep one of them"),
-        (config.reward_model.kind != "process",
-         f"rewards names the process reward {names[0]!r} and reward_model.kind=process gives step scores too: "
-         f"keep one of them"),
-        (config.algo == "grpo", f"the process reward {names[0]!r} needs algo=grpo: PPO's critic takes one scalar "
-                                f"reward"),
-        (config.grpo.scale_rewards, f"grpo.scale_rewards=false is not defined for the process reward {names[0]!r}: "
-                                    f"eq. 6 normalises step rewards by their group std"),
-    ])
-
-
-def _is_process_reward(reward: RewardConfig) -> bool:
-    """Whether a rewards entry names a process reward (a name that names nothing is the entry's own problem)."""
-    try:
-        return is_process_reward(reward_function(reward.name, reward.args))
-    except ValueError:
-        return False
-
-
-def _named_task(config: Config):
-    """The task class task.name names, None for auto; ValueError when it names none."""
-    return None if config.task.name == "auto" else task_class(config.task.name)
-
-
-def _take_task_reward(config: Config) -> None:
-    """The task's own reward replaces the default rewards (chain_accuracy, which would score its
-    answers by chain's rule, zero for every GSM8K answer): a named task's, or auto's when the data names
-    files (the math task). A task.name that names no task is left to _task_problems."""
-    try:
-        cls = task_class(config.task.resolved_name(config.data))
-    except ValueError:
-        return
-    if cls is not None and cls.reward and config.rewards == [RewardConfig()]:
-        config.rewards = [RewardConfig(name=cls.reward)]
-
-
-def _task_problems(config: Config) -> Iterator[str]:
-    """task.name names a task, and no reward is another task's grader."""
-    try:
-        cls = _named_task(config)
-    except ValueError as err:
-        yield f"task.name: {err}"
-        return
-    if cls is None:
-        return
-    graders = {t.reward: t.name for t in TASKS.values() if t is not cls and t.reward and t.reward != cls.reward}
-    for i, reward in enumerate(config.rewards):
-        if reward.name in graders:
-            fix = f"--rewards='[{{name: {cls.reward}}}]'" if cls.reward else "a reward that grades it"
-            yield (f"rewards[{i}]: {reward.name} grades the {graders[reward.name]} task, not "
-                   f"task.name={config.task.name}: use {fix}")
-
-
 def check_world_size(config: Config, world_size: int, per_node: int | None = None) -> None:
     """Multi-process runs (torchrun): checks that need the world size (and `per_node`, the processes
     on each machine, torchrun's LOCAL_WORLD_SIZE; default all of them), before any model loads."""
@@ -156,10 +114,6 @@ def check_world_size(config: Config, world_size: int, per_node: int | None = Non
             f"start torchrun with --nproc_per_node a multiple of {tp}, or lower rollout.tensor_parallel_size")
     if world_size <= 1:
         return
-    if config.rollout.workers:
-        raise ConfigError(f"rollout.workers={config.rollout.workers} with {world_size} trainer processes is not "
-                          "supported yet: run the trainer in one process (rollout workers take the sampling off it), "
-                          "or set rollout.workers=0")
     g = config.grpo
     if g.prompts_per_step % world_size:
         raise ConfigError(

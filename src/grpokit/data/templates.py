@@ -57,6 +57,16 @@ def render_prompt(question: str, tokenizer, template: str = "cot", chat_template
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     text = plain_text(user, plain_layout, system_prompt)
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and getattr(tokenizer, "add_bos_token", False) and not text.startswith(bos):
+    if bos and adds_bos(tokenizer) and not text.startswith(bos):
         text = bos + text  # what the tokenizer would have added itself
     return text
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether encoding with special tokens puts BOS first: through add_bos_token, or through the
+    tokenizer.json's post-processor alone (Gemma's and Llama 3's, whose add_bos_token may be unset)."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos_id and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos_id]

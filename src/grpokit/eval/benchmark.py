@@ -1,12 +1,12 @@
 """`grpokit eval`: a model's accuracy on math benchmarks with chain-of-thought (CoT) and
 tool-integrated reasoning (TIR) prompts, the two halves of DeepSeekMath's Table 5.
 
-    grpokit eval MODEL --data FILE... --output-dir DIR [--mode cot,tir] [--k K] ...
+    grpokit eval MODEL --data FILE... --output-dir DIR [--mode cot,tir] [--eval.k K] ...
     grpokit eval --compare DIR_BEFORE DIR_AFTER [--output-dir DIR]
     grpokit eval --completions FILE --data FILE [--completion-column COL] [--key COL] [--output-dir DIR]
 
 Generation writes, under DIR:
-    results.json                          accuracy (and maj@k, pass@k with --k) per dataset x mode,
+    results.json                          accuracy (and maj@k, pass@k with --eval.k) per dataset x mode,
                                           counts, seconds, engine, prompt format, sandbox isolation
     report.md                             the same as tables
     completions-<dataset>-<mode>.jsonl    one line per question: prompt, completion (tool output
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from grpokit.run.checkpoint import CheckpointError, CheckpointManager
-from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig, load_config
+from grpokit.checks import load_config
+from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig
 from grpokit.data.files import DatasetError, read_file_records
 from grpokit.errors import EvalError
 from grpokit.eval.questions import Benchmark, load_benchmark, load_benchmarks
@@ -163,9 +164,9 @@ def questions_too_long(bench: Benchmark, mode: str, tokenizer, settings: EvalSet
 def say_questions_too_long(count: int, bench: Benchmark, mode: str, settings: EvalSettings) -> None:
     if count:
         print(f"grpokit: {count} of {len(bench)} {bench.name} {MODE_TITLES[mode]} questions do not fit "
-              f"--max-model-len={settings.max_model_len} with --max-new-tokens={settings.max_new_tokens}: they get "
-              "no completion and count as wrong (evaluation never truncates a question); raise --max-model-len or "
-              "lower --max-new-tokens", file=sys.stderr)
+              f"--max-model-len={settings.max_model_len} with --grpo.max_completion_length={settings.max_new_tokens}: "
+              "they get no completion and count as wrong (evaluation never truncates a question); raise "
+              "--max-model-len or lower --grpo.max_completion_length", file=sys.stderr)
 
 
 def _sample_record(trace: TIRTrace, reason: str, answer: str | None, correct: bool) -> dict:
@@ -175,7 +176,7 @@ def _sample_record(trace: TIRTrace, reason: str, answer: str | None, correct: bo
 
 def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, tokenizer, settings: EvalSettings,
                    timings: Timings, task: Task | None = None) -> list[dict]:
-    """Completion records (greedy, plus --k samples) of the questions at `indices`, prompted,
+    """Completion records (greedy, plus --eval.k samples) of the questions at `indices`, prompted,
     read and graded by `task` (default: the math task)."""
     task = task or default_task()
     stop = (OUTPUT_STOP,) if mode == "tir" else ()

@@ -37,6 +37,20 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class Deprecated(argparse.Action):
+    """An old spelling of an option, kept for one release: it sets what `new` sets, and says so in one line.
+    The config keys' dotted names are what every other command takes (--eval.k, not --k)."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"grpokit: warning: {option_string} is deprecated: use {self.new} (the old flag goes in the next "
+              "release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="grpokit eval", formatter_class=DefaultsHelpFormatter,
@@ -52,17 +66,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="cot,tir", help="cot, tir or both (cot,tir)")
     p.add_argument("--output-dir", "--output_dir", dest="output_dir", help="where results, report and completions go")
     p.add_argument("--max-rows", type=int, default=0, help="first N questions of each file; 0 = all")
-    p.add_argument("--k", type=int, default=0, help="also draw K samples per question for maj@K and pass@K")
+    p.add_argument("--eval.k", dest="k", type=int, default=0, metavar="K",
+                   help="also draw K samples per question for maj@K and pass@K")
+    p.add_argument("--k", dest="k", type=int, default=0, action=Deprecated, new="--eval.k", help=argparse.SUPPRESS)
     p.add_argument("--temperature", type=float, default=EVAL.temperature,
-                   help="sampling temperature of the --k samples (default: %(default)s, as eval.temperature)")
+                   help="sampling temperature of the --eval.k samples (default: %(default)s, as eval.temperature)")
     p.add_argument("--rollout.engine", "--engine", dest="engine", choices=sorted(ENGINES), default=ROLLOUT.engine,
                    help="hf: transformers' generate; vllm: a vLLM engine; or another registered engine")
     p.add_argument("--rollout.kv_cache_gb", "--kv-cache-gb", dest="kv_cache_gb", type=float,
                    default=ROLLOUT.kv_cache_gb, help="vllm: GiB for its KV cache")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--grpo.max_completion_length", dest="max_new_tokens", type=int, default=None, metavar="N",
                    help="tokens per completion (TIR: every round and the tool's output blocks together, as "
                         "in RL); for a run's checkpoint, the run's grpo.max_completion_length unless given "
                         "(default: 1024)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=None, action=Deprecated,
+                   new="--grpo.max_completion_length", help=argparse.SUPPRESS)
     p.add_argument("--max-tool-calls", type=int, default=EVAL.max_tool_calls,
                    help="TIR: programs a completion may run (default: %(default)s, as "
                         "eval.max_tool_calls)")
@@ -74,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="questions per batch (and per resumable write); for a run's checkpoint, the run's "
                         f"eval.batch_size (the batches its own evaluation made) unless given (default: {EVAL.batch_size}, "
                         "as eval.batch_size)")
-    p.add_argument("--seed", type=int, default=Config.seed, help="seed of the --k samples")
+    p.add_argument("--seed", type=int, default=Config.seed, help="seed of the --eval.k samples")
     p.add_argument("--device", default=MODEL.device, help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=MODEL.dtype, help="auto (bf16 on CUDA, else fp32), bf16, fp16 or fp32")
     p.add_argument("--question-column", default="", help="column holding the question (default: recognised)")
@@ -93,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The options whose names are config keys: what a message about their value calls them.
+OPTION = {"max_new_tokens": "--grpo.max_completion_length", "k": "--eval.k"}
+
+
 def _modes(text: str) -> list[str]:
     modes = [m.strip().lower() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -104,12 +126,14 @@ def _modes(text: str) -> list[str]:
 def _check_numbers(args) -> None:
     for name in ("max_new_tokens", "max_tool_calls", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise EvalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise EvalError(f"{OPTION.get(name, '--' + name.replace('_', '-'))} must be at least 1, got "
+                            f"{getattr(args, name)}")
     for name in ("max_rows", "k", "max_model_len"):
         if getattr(args, name) < 0:
-            raise EvalError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+            raise EvalError(f"{OPTION.get(name, '--' + name.replace('_', '-'))} must be 0 or more, got "
+                            f"{getattr(args, name)}")
     if args.k and args.temperature <= 0:
-        raise EvalError(f"--k samples need --temperature > 0, got {args.temperature}")
+        raise EvalError(f"--eval.k samples need --temperature > 0, got {args.temperature}")
     if args.tool_timeout <= 0:
         raise EvalError(f"--tool-timeout must be positive, got {args.tool_timeout}")
     resolve_device(args.device, "--device")  # before the data is read or the model loads

@@ -15,12 +15,14 @@ from grpokit.models.checkpoint_dirs import master_weights_dir
 from grpokit.models.end_of_turn import use_end_of_turn_eos
 from grpokit.models.gguf import convert_command, gguf_files, is_gguf_only_dir
 from grpokit.models.model_files import (  # ModelNotFound, DamagedModelFile: raised here, caught by the CLI
+    DamagedModelFile,
     ModelNotFound,
     check_loading_info,
     check_model_files,
     describe_load_failure,
 )
 from grpokit.models.precision import resolve_precision, set_compute_dtype
+from grpokit.models.vocabulary import VocabularyMismatch, mask_ghost_rows
 
 
 class DeviceUnavailable(ConfigError):
@@ -204,6 +206,10 @@ def load_model_and_tokenizer(
     model = _load_weights(AutoModelForCausalLM, weights_dir, local, kwargs).to(dev)
     set_compute_dtype(model, precision.compute)
     use_end_of_turn_eos(model, tokenizer, name_or_path, eos_token, chat_template)
+    try:
+        mask_ghost_rows(model, tokenizer, name_or_path)  # embedding rows past the tokenizer are never sampled
+    except VocabularyMismatch as err:
+        raise DamagedModelFile(str(err)) from None
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -70,6 +70,16 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     return get_peft_model(model, peft_config)
 
 
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` as a plain causal LM: LoRA adapters merged into its weights, so it saves whole
+    (config.json and every weight, not an adapter over a base that is not saved) and loads like any
+    checkpoint. A model without adapters is copied as it is."""
+    import copy
+
+    duplicate = copy.deepcopy(model)
+    return duplicate.merge_and_unload() if is_lora(duplicate) else duplicate
+
+
 def load_lora(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:
     """`model` (the base) with the trainable adapter saved in `adapter_dir`."""
     from peft import PeftModel
@@ -147,6 +157,8 @@ def _merged_weight_fn(module):
         if isinstance(base, DTensor):  # FSDP2 shards: gather W, A and B whole on their device, then merge
             return _full(base) + sum(_sharded_delta(module, name) for name in adapters)
         return base.float() + sum(module.get_delta_weight(name).float() for name in adapters)
+    # what it makes, known without making it (a sharded layer's merge is a collective)
+    merged.shape, merged.dtype = module.get_base_layer().weight.shape, torch.float32
     return merged
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16); elsewhere torch
+    converts every bf16 product to fp32 and back, slower than fp32 itself."""
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return any(probe is not None and probe() for probe in probes)
+
+
+_said_bf16_is_slow = False
+
+
+def _note_emulated_bf16(dtype: str) -> None:
+    """One line, once per process: bf16 runs on this CPU, correctly but slowly."""
+    global _said_bf16_is_slow
+    if not _said_bf16_is_slow:
+        _said_bf16_is_slow = True
+        print(f"grpokit: model.dtype={dtype} on a CPU without native bf16 (no AMX, no AVX-512 BF16): every bf16 "
+              "matrix product is emulated, slower than fp32; model.dtype=fp32 runs faster here", file=sys.stderr)
+
+
 def resolve_precision(dtype: str, master_dtype: str, device: torch.device) -> Precision:
     """model.dtype and model.master_dtype on `device` as a Precision; a dtype the device cannot run
     is a ConfigError naming the key and what to set."""
@@ -68,6 +88,8 @@ def resolve_precision(dtype: str, master_dtype: str, device: torch.device) -> Pr
     if compute == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"model.dtype={dtype} but {torch.cuda.get_device_name(device)} has no bf16 support; "
                           "set model.dtype=fp16 (with model.master_dtype=fp32) or model.dtype=fp32")
+    if compute == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        _note_emulated_bf16(dtype)
     if master_dtype not in ("fp32", "same"):
         raise ConfigError(f"model.master_dtype must be 'fp32' or 'same', got {master_dtype!r}")
     master = torch.float32 if master_dtype == "fp32" else compute

@@ -3,7 +3,6 @@ config, the policy, the rollout engine, the trainer and the reward model. stages
 
 from __future__ import annotations
 
-import copy
 import random
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from grpokit.data import arithmetic
 from grpokit.models import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer
 from grpokit.models.loading import resolve_device
 from grpokit.models.device import model_device
+from grpokit.models.lora import merged_copy
 from grpokit.models.precision import compute_dtype, resolve_precision, set_compute_dtype
 from grpokit.models.value import trained_dtype
 from grpokit.rewards import WeightedReward
@@ -164,7 +164,8 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
         scorer = as_scorer(model, rm_tokenizer, info, rm.batch_size)
     elif rm.model.head == "likelihood":  # the backbone's own LM, frozen: a copy, since the policy trains on
         backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
-        model = (copy.deepcopy(backbone) if backbone is policy else backbone).to(resolve_device(rm.device))
+        # pi_SFT's weights now, LoRA merged in: it saves as a whole causal LM, and a resume loads that, never pi_theta
+        model = (merged_copy(backbone) if backbone is policy else backbone).to(resolve_device(rm.device))
         scorer = LikelihoodProcessRewardModel(model, rm_tokenizer, rm.step_delimiter, rm.batch_size)
     else:
         backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)

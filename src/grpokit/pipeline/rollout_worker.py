@@ -19,25 +19,24 @@ import argparse
 import contextlib
 import os
 import dataclasses
-import datetime
 import sys
 import threading
 import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from grpokit.pipeline.build import load_policy
 from grpokit.config import Config
 from grpokit.config.loading import from_dict
 from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
-from grpokit.rollout.weight_channel import STOP, WeightChannel
+from grpokit.rollout.transport import RayTransport, StoreTransport, Transport, TransportError
+from grpokit.rollout.weight_channel import STOP
 from grpokit.rollout.wire import Task, decode, encode, rollout_to_dict
 from grpokit.tools import make_tool
 from grpokit.models.device import model_device
 
-POLL_S = 0.005
+WAIT_S = 0.1  # the longest a worker waits for its next task before it looks at its weight stager again
 BEAT_S = 1.0
 # A collective's timeout is each process's own. The receiver waits for the next push as long as the
 # trainer takes to learn, evaluate or save, so it waits long; the trainer's side of a push keeps
@@ -48,7 +47,7 @@ RECEIVER_TIMEOUT_S = 7 * 24 * 3600.0
 class StagedVersions:
     """Weight pushes received but not yet loaded, by version; the receiver thread fills it."""
 
-    def __init__(self, channel: WeightChannel, shapes: list[tuple], device: torch.device):
+    def __init__(self, channel, shapes: list[tuple], device: torch.device):
         """shapes: (name, shape, dtype) of each tensor a push holds, in order."""
         self.channel, self.shapes, self.device = channel, shapes, device
         # on CUDA the receiver works on a stream of its own: a collective waiting for the next push
@@ -100,22 +99,22 @@ class StagedVersions:
             return tensors
 
 
-def _heartbeat(host: str, port: int, index: int, timeout_s: float) -> None:
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def _heartbeat(transport: Transport, index: int) -> None:
+    transport = transport.reconnect()  # a connection of this thread's own
     while True:
-        store.add(f"beat/{index}", 1)
+        transport.add(f"beat/{index}", 1)
         time.sleep(BEAT_S)
 
 
 class Worker:
-    """Worker `index` of the run whose trainer listens at host:port."""
+    """Worker `index` of the run whose trainer `transport` reaches (rollout/transport.py)."""
 
-    def __init__(self, host: str, port: int, index: int, device: str = ""):
+    def __init__(self, transport: Transport, index: int, device: str = ""):
         self.index = index
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=300))
-        setup = decode(self.store.get("setup"))
+        self.transport = transport
+        setup = decode(self.transport.get("setup"))
         self.timeout_s = float(setup["timeout_s"])
-        threading.Thread(target=_heartbeat, args=(host, port, index, self.timeout_s), daemon=True).start()
+        threading.Thread(target=_heartbeat, args=(transport, index), daemon=True).start()
         self.config: Config = from_dict(Config, setup["config"])
         if device:  # this machine's GPU for this worker (--device), whatever the trainer's config says
             self.config.model.device = device
@@ -138,13 +137,13 @@ class Worker:
             raise ValueError(f"this worker's model has no {missing[:3]}: it is not the trainer's architecture")
         # pushes arrive in the dtypes this worker holds, so they are staged and sent at that size
         shapes = [(name, shape, str(state[name].dtype).removeprefix("torch.")) for name, shape, _ in setup["tensors"]]
-        self.store.set(f"dtypes/{index}", encode({"dtypes": [dtype for _, _, dtype in shapes]}))
-        self.store.set(f"ready/{index}", b"1")
+        self.transport.set(f"dtypes/{index}", encode({"dtypes": [dtype for _, _, dtype in shapes]}))
+        self.transport.set(f"ready/{index}", b"1")
         channel_device = self.device if setup["device"] == "cuda" else torch.device("cpu")
         if channel_device.type == "cuda":
             torch.cuda.set_device(channel_device)  # NCCL's rank lives on this GPU
-        self.channel = WeightChannel(self.store, index + 1, self.config.rollout.workers + 1, channel_device,
-                                     RECEIVER_TIMEOUT_S)
+        self.channel = self.transport.weights(index + 1, self.config.rollout.workers + 1, channel_device,
+                                              RECEIVER_TIMEOUT_S)
         self.staged = StagedVersions(self.channel, shapes, channel_device)
         self.names = names
         self.version = -1
@@ -189,16 +188,16 @@ class Worker:
         while True:
             key = f"task/{self.index}/{n}"
             while True:
-                if self.store.check(["stop"]):  # also before queued tasks: a stopped run needs none of them
+                if self.transport.check("stop"):  # also before queued tasks: a stopped run needs none of them
                     return
-                if self.store.check([key]):
+                if self.transport.check(key):
                     break
                 if self.staged.error:
                     raise RuntimeError(self.staged.error)
-                time.sleep(POLL_S)
-            task = Task.from_dict(decode(self.store.get(key)))
-            self.store.delete_key(key)
-            self.store.set(f"result/{task.batch}/{self.index}", encode(self.sample(task)))
+                self.transport.wait_any([key, "stop"], WAIT_S)  # returns as soon as either is set
+            task = Task.from_dict(decode(self.transport.get(key)))
+            self.transport.delete(key)
+            self.transport.set(f"result/{task.batch}/{self.index}", encode(self.sample(task)))
             n += 1
 
 
@@ -218,23 +217,95 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--connect {args.connect!r} is not HOST:PORT")
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        transport = StoreTransport.connect(args.connect, 300.0)
+    except (TransportError, RuntimeError) as err:
+        print(f"grpokit rollout-worker {args.index}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return _exit(serve(transport, args.index, args.device))
+
+
+def serve(transport: Transport, index: int, device: str = "") -> int:
+    """Be rollout worker `index` until the trainer stops; 0, or 1 after a failure, which goes to the
+    trainer (error/<index>) and to stderr in one line."""
     worker = None
     try:
-        worker = Worker(host, int(port), args.index, args.device)
+        worker = Worker(transport, index, device)
         worker.run()
         worker.staged.thread.join(timeout=worker.timeout_s)  # the trainer's stop reaches the receiver too
     except Exception as err:  # noqa: BLE001 - the trainer names this worker and says why
         message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
         traceback.print_exc()
         try:
-            store = worker.store if worker is not None else dist.TCPStore(
-                host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
-            store.set(f"error/{args.index}", message.encode())
+            transport.set(f"error/{index}", message.encode())
         except Exception:  # noqa: BLE001 - the trainer is gone too
             pass
-        print(f"grpokit rollout-worker {args.index}: {message}", file=sys.stderr)
-        return _exit(1)
-    return _exit(0)
+        print(f"grpokit rollout-worker {index}: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class RayWorkers:
+    """The rollout workers as Ray actors (distributed.launcher=ray), one placement-group bundle each
+    ({CPU: threads} or {GPU: 1}), never restarted (max_restarts=0): a worker that dies ends the run in
+    one line naming it, and grpokit's exact resume takes it from the last checkpoint."""
+
+    shares_cores = True  # threads as spawned workers get them: an equal share of this machine's cores on CPU
+
+    def __init__(self, placement_group=None, first_bundle: int = 0, resume_hint: str = ""):
+        self.placement_group, self.first_bundle, self.resume_hint = placement_group, first_bundle, resume_hint
+        self.actors, self.runs = [], []
+
+    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_class = ray.remote(max_restarts=0, max_task_retries=0)(RolloutWorkerActor)
+        for w in range(workers):
+            options = {"num_cpus": max(1, threads), "num_gpus": 1 if device.type == "cuda" else 0}
+            if self.placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=self.first_bundle + w)
+            actor = actor_class.options(**options).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.serve.remote(transport.address, w, max(1, threads),
+                                                "cuda" if device.type == "cuda" else ""))
+
+    def describe(self, w: int) -> str:
+        return f"rollout worker {w} (a Ray actor)"
+
+    def ended(self, w: int) -> str | None:
+        import ray
+
+        if w >= len(self.runs):
+            return None
+        done, _ = ray.wait([self.runs[w]], timeout=0)
+        if not done:
+            return None
+        try:
+            code = ray.get(done[0])
+        except ray.exceptions.RayActorError as err:
+            why = "died" + (f" ({str(err).strip().splitlines()[0][:200]})" if str(err).strip() else "")
+            return f"{why}{self.resume_hint}"
+        except ray.exceptions.RayError as err:
+            return f"failed ({type(err).__name__}){self.resume_hint}"
+        return f"stopped (exit code {code}){self.resume_hint}"
+
+    def stop(self, failed: bool) -> None:
+        import ray
+
+        if not failed and self.runs:
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=30)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+class RolloutWorkerActor:
+    """The body of a rollout worker's Ray actor: `serve` over the run's Ray transport."""
+
+    def serve(self, mailbox: str, index: int, threads: int, device: str) -> int:
+        torch.set_num_threads(threads)
+        return serve(RayTransport.connect(mailbox), index, device)
 
 
 def _exit(code: int) -> int:

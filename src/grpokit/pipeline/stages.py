@@ -46,9 +46,12 @@ from grpokit.models.sharding import shard_model, world_sharding
 from grpokit.pipeline.report import report_results, stage_times
 from grpokit.pipeline.resume import keep_rounds, resume_point
 from grpokit.rollout import engine_spec, longest_prompt_tokens, make_engine, max_model_len, run_max_model_len
+from grpokit.rollout.engine import evaluation_engine
+from grpokit.pipeline.ray_cluster import RayLaunch
 from grpokit.rollout.remote import RemoteRollouts
 from grpokit.run.directory import CLAIMED, NEW, claim_run_dir
 from grpokit.run.lock import RunLock
+from grpokit.run.memory import peak_rss_bytes
 from grpokit.rollout.multi_turn import ToolEngine
 from grpokit.tasks import task_for
 from grpokit.tasks.base import with_prompt_modes
@@ -356,7 +359,7 @@ def _evaluate_heldout(when: str, task, model, tokenizer, heldout: list[dict], co
     """The held-out evaluation `when` ("before" or "after") RL: its seconds go to timings, and its
     graded greedy completions to heldout-`when`.jsonl (CoT) and heldout-`when`-tir.jsonl (TIR)."""
     t = time.perf_counter()
-    result = evaluate_task(task, model, tokenizer, heldout, config, engine, progress=progress,
+    result = evaluate_task(task, model, tokenizer, heldout, config, evaluation_engine(engine), progress=progress,
                            desc=f"held-out eval {when} RL")
     if distributed.is_main():
         write_heldout_completions(run_dir / f"heldout-{when}.jsonl", heldout, result.greedy_completions,
@@ -385,7 +388,8 @@ def _periodic_heldout(config: Config, task, model, tokenizer, heldout: list[dict
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             result = evaluate(model, tokenizer, heldout, task.extract_answer, config.grpo.max_completion_length,
-                              k=0, batch_size=config.eval.batch_size, engine=engine, grade=task.grade)
+                              k=0, batch_size=config.eval.batch_size, engine=evaluation_engine(engine),
+                              grade=task.grade)
         return {"heldout/greedy_accuracy": result.greedy_accuracy,
                 "perf/heldout_eval_time_s": time.perf_counter() - t}
 
@@ -400,15 +404,16 @@ def _rl_engine(config: Config, engine, tokenizer):
     tool = make_tool(config.rollout.tool, **config.rollout.tool_args)
     return ToolEngine(engine, tokenizer, tool, config.rollout.max_tool_calls)
 
-def _rollout_workers(config: Config, model, tokenizer, model_len: int | None, run_dir: Path):
+def _rollout_workers(config: Config, model, tokenizer, model_len: int | None, run_dir: Path, ray=None):
     """rollout.workers > 0: the rollout workers, started (or, with worker_launch=external, awaited) and
-    given the run's config; None: RL samples in this process."""
-    if not config.rollout.workers:
+    given the run's config; None: RL samples in this process. ray: the run's RayLaunch (launcher=ray)."""
+    if not config.rollout.workers or not distributed.is_main():  # a sharded trainer's rank 0 holds them
         return None
     started = time.perf_counter()
-    remote = RemoteRollouts(config.rollout, to_dict(config), model, dataclasses.asdict(sampling_params(config.grpo)),
+    remote = RemoteRollouts(config.rollout, to_dict(config), model, dataclasses.asdict(sampling_params(config.grpo, config.rollout.shared_prefill)),
                             config.grpo.num_generations, model_len or max_model_len(config.rollout, model),
-                            config.distributed.timeout_s, run_dir / "logs", tokenizer.pad_token_id)
+                            config.distributed.timeout_s, run_dir / "logs", tokenizer.pad_token_id,
+                            transport=ray.transport if ray else None, launcher=ray.launcher if ray else None)
     print(f"{config.rollout.workers} rollout worker(s) ready at {remote.address} in "
           f"{time.perf_counter() - started:.1f}s; "
           f"rollout.mode={config.rollout.mode}, staleness {config.rollout.staleness}{remote.threads}")
@@ -427,6 +432,10 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     check_world_size(config, distributed.world_size(), distributed.local_world_size())
     with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \
             ExitStack() as cleanup:
+        # the placement before any model loads; rank 0 of a sharded trainer holds it
+        ray = RayLaunch(config) if config.distributed.launcher == "ray" and distributed.is_main() else None
+        if ray is not None:
+            cleanup.callback(ray.close)
         checkpoint, boundary = resume_point(config, resume, force)
         run_dir = start_run(config, fresh=checkpoint is None, write=distributed.is_main())
         task = task_for(config)
@@ -457,7 +466,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         if stage is not None:
             timings["reward_model_seconds"] = time.perf_counter() - t
         remote = _rollout_workers(config, model, tokenizer, _train_model_len(config, task, tokenizer, rows, heldout),
-                                  run_dir)
+                                  run_dir, ray)
         if remote is not None:  # after a failure, without waiting on a worker that may hang
             cleanup.push(lambda error, *_: remote.close(failed=error is not None))
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
@@ -485,11 +494,13 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             after = _evaluate_heldout("after", task, model, tokenizer, heldout, config, engine, run_dir, progress,
                                       timings)
             summary.update(report_results(config, task, run_dir, history, before, after))
-        summary.update(timings, wall_seconds=time.perf_counter() - started)
+        # The process's peak: the demo's SFT stage too, where it ran here (the README's memory figures).
+        summary.update(timings, wall_seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes())
         if distributed.is_main():
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(stage_times(summary, config.algo))
-    print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s; wrote {run_dir}/summary.json")
+    peak = f"; peak memory {summary['peak_rss_bytes'] / 2**30:.2f} GiB (RSS)" if "peak_rss_bytes" in summary else ""
+    print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s{peak}; wrote {run_dir}/summary.json")
     return summary
 
 

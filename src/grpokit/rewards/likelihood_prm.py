@@ -14,14 +14,23 @@ never drifts with the policy, and an iterative refresh refits a and b on the new
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from grpokit.data.reward_data import split_steps
 from grpokit.models.device import model_device
-from grpokit.models.precision import compute_autocast
+from grpokit.models.logprobs import labelled_logprobs
 from grpokit.rewards.learned import encode
 from grpokit.rewards.process import StepScores, step_char_ends
+
+
+IGNORE = -100  # a label no log-prob is taken for (padding)
+
+
+class LikelihoodFitError(ValueError):
+    """Step labels a and b cannot be fit on; the message says what the data lacks and how to get it."""
 
 
 class LikelihoodProcessRewardModel:
@@ -51,11 +60,13 @@ class LikelihoodProcessRewardModel:
             batch_prompts = prompts[start : start + self.batch_size]
             batch_steps = steps[start : start + self.batch_size]
             inputs = encode(self.tokenizer, batch_prompts, batch_steps)
-            ids = inputs.input_ids.to(device)
-            with compute_autocast(self.model):
-                logits = self.model(input_ids=ids, attention_mask=inputs.attention_mask.to(device)).logits
-            # token k is predicted at column k - 1
-            token_lp = torch.gather(F.log_softmax(logits[:, :-1].float(), -1), 2, ids[:, 1:, None])[..., 0].cpu()
+            ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+            labels = ids.masked_fill(mask == 0, IGNORE)
+            # Through the trainer's chunked path: only tiles of positions reach the LM head, never the
+            # batch's whole [rows, L, vocabulary] float32 logits (several GB at 64 rows of a 49k vocabulary).
+            flat = labelled_logprobs(self.model, {"input_ids": ids, "attention_mask": mask}, labels, IGNORE)
+            token_lp = torch.zeros(ids.shape[0], ids.shape[1] - 1)  # token k is predicted at column k - 1
+            token_lp[(labels[:, 1:] != IGNORE).cpu()] = flat.float().cpu()
             for i, (prompt, ends) in enumerate(zip(batch_prompts, inputs.step_positions)):
                 begin = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) - 1
                 sums = []
@@ -71,8 +82,15 @@ class LikelihoodProcessRewardModel:
     def fit(self, prompts: list[str], steps: list[list[str]], labels: list[list[bool]]) -> float:
         """Fit a and b by logistic regression on every step's running sum (the LM stays frozen);
         returns the final BCE. Fit on z-scores: a confident model's sums reach -30 and below."""
-        x = torch.cat(self.step_log_prob_sums(prompts, steps)).double()
+        x = torch.cat(self.step_log_prob_sums(prompts, steps)).double() if prompts else torch.zeros(0)
         y = torch.tensor([float(v) for row in labels for v in row], dtype=torch.float64)
+        # One step, or steps of one log-probability, leave the z-scores undefined (a NaN a and b). Labels
+        # all alike still fit: b goes far to that side, finite, and the next refresh refits it.
+        if len(x) < 2 or bool((x == x[0]).all()):
+            raise LikelihoodFitError(
+                f"the likelihood head's a and b cannot be fit on {len(x)} labelled step(s): it needs at least two "
+                "steps of different log-probabilities; sample more reward-model data "
+                "(reward_model.data.num_questions)")
         center, scale = x.mean(), x.std().clamp_min(1e-6)
         z = (x - center) / scale
         a = torch.zeros((), dtype=torch.float64, requires_grad=True)
@@ -87,8 +105,11 @@ class LikelihoodProcessRewardModel:
 
         optimizer.step(closure)
         a, b = a.detach(), b.detach()
-        self.weight = float(a / scale)
-        self.bias = float(b - a * center / scale)
+        weight, bias = float(a / scale), float(b - a * center / scale)
+        if not (math.isfinite(weight) and math.isfinite(bias)):
+            raise LikelihoodFitError(f"the likelihood head's fit diverged (a={weight}, b={bias}) on {len(x)} steps; "
+                                     "sample more reward-model data (reward_model.data.num_questions)")
+        self.weight, self.bias = weight, bias
         with torch.no_grad():
             return float(F.binary_cross_entropy_with_logits(self.weight * x + self.bias, y))
 

@@ -30,6 +30,11 @@ def register_reward(name: str):
     return wrap
 
 
+def unregister_reward(name: str) -> None:
+    """Remove `name` (grpokit.train registers a caller's functions for the length of one run)."""
+    _REGISTRY.pop(name, None)
+
+
 def _builtins() -> None:
     _REGISTRY.setdefault("chain_accuracy", arithmetic.chain_accuracy)
     _REGISTRY.setdefault("math_accuracy", math_rewards.math_accuracy)

@@ -10,7 +10,7 @@ import pkgutil as _pkgutil
 from grpokit.rollout.engine import (HFEngine, RolloutEngine, longest_prompt_tokens, make_engine, max_model_len,
                                    request_seeds, run_max_model_len, RolloutEngineError,
                                    WeightSyncError)
-from grpokit.rollout.logprobs import position_ids_for, token_logprobs
+from grpokit.models.logprobs import position_ids_for, token_logprobs
 from grpokit.rollout.multi_turn import ToolEngine, ToolRollout, multi_turn_rollout
 from grpokit.rollout.registry import ENGINES, engine_spec, register_engine
 from grpokit.rollout.sampler import Continuation, SamplingParams, sample_groups

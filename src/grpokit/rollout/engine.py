@@ -14,7 +14,8 @@ import torch
 from grpokit.seeds import derive_seed
 from grpokit.errors import ConfigError
 from grpokit.rollout.registry import engine_spec, register_engine
-from grpokit.rollout.sampler import Continuation, SamplingParams, continue_ids, sample_groups
+from grpokit.rollout.sampler import (Continuation, SamplingParams, continue_ids, note_ignored_sampling_defaults,
+                                    sample_groups)
 from grpokit.types import Rollout
 
 
@@ -76,6 +77,13 @@ class HFEngine:
         """Nothing to free: the policy is the engine."""
 
 
+def evaluation_engine(engine: RolloutEngine) -> RolloutEngine:
+    """What evaluation samples with: the engine's own evaluation view where it keeps per-shape state that
+    evaluation must not touch (hf_static's static caches), else the engine itself."""
+    for_evaluation = getattr(engine, "for_evaluation", None)
+    return for_evaluation() if for_evaluation is not None else engine
+
+
 def request_seeds(seed: int, step: int, prompt_indices: list[int], num_generations: int) -> list[int]:
     """One seed per completion from (run seed, step, prompt index, sample index): a completion
     does not depend on which other prompts share its batch or its process."""
@@ -115,6 +123,7 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
     (run_max_model_len); None = max_model_len(rollout_config, model). weights_dir: where the
     policy's weights lie unchanged, for such an engine to load without a copy."""
     spec = engine_spec(rollout_config.engine)
+    note_ignored_sampling_defaults(model)
     if spec.copies_weights:
         model_len = model_len or max_model_len(rollout_config, model)
     return spec.build(rollout_config, model, tokenizer, seed, model_len, weights_dir)

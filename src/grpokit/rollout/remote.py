@@ -16,7 +16,6 @@ a checkpoint keeps the tasks in flight and the rollouts of those sampled by olde
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -24,17 +23,17 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from grpokit.rollout.schedule import worker_shares
-from grpokit.rollout.weight_channel import WeightChannel
+from grpokit.rollout.transport import StoreTransport, Transport
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
 
-POLL_S = 0.005  # how often a wait looks at the store again
+CHECK_WINDOW_S = 0.1  # the longest a wait for a key goes without looking at the workers and the clock
 CHECK_S = 0.5  # how often a wait looks at the workers' health
 
 
@@ -58,7 +57,25 @@ def _weights(model: torch.nn.Module) -> Mapping:
 
 
 def _value(tensor_or_fn) -> torch.Tensor:
-    return tensor_or_fn() if callable(tensor_or_fn) else tensor_or_fn
+    """The whole tensor a worker receives: made on demand (a LoRA layer's merged weight), and gathered
+    from every FSDP2 rank where it is sharded (a collective: every trainer rank calls it, in one order)."""
+    from torch.distributed.tensor import DTensor
+
+    value = tensor_or_fn() if callable(tensor_or_fn) else tensor_or_fn
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def push_order(model: torch.nn.Module) -> list[str]:
+    """The names a push sends, in the order every trainer rank gathers them."""
+    return _distinct_tensors(_weights(model))
+
+
+def gather_for_push(model: torch.nn.Module) -> None:
+    """A trainer rank other than 0 during a push: its part of gathering each sharded tensor, in
+    push_order, while rank 0 sends them (RemoteRollouts.push)."""
+    weights = _weights(model)
+    for name in push_order(model):
+        _value(weights[name])
 
 
 def _distinct_tensors(weights: Mapping) -> list[str]:
@@ -66,62 +83,156 @@ def _distinct_tensors(weights: Mapping) -> list[str]:
     worker's model ties them the same way, so loading one loads both)."""
     names, seen = [], set()
     for name, value in weights.items():
-        key = None if callable(value) else (value.untyped_storage().data_ptr(), value.storage_offset(),
-                                            tuple(value.shape))
+        key = None if callable(value) else _storage_key(value)
         if key is None or key not in seen:
             names.append(name)
             seen.add(key)
     return names
 
 
+def _storage_key(value: torch.Tensor) -> tuple:
+    """Where a tensor's values lie: tied tensors share it (an FSDP2 DTensor by its local shard's)."""
+    local = getattr(value, "_local_tensor", value)
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape)
+
+
+class WorkerLauncher(Protocol):
+    """Starts the rollout workers and says how each one ended: processes on this machine
+    (SubprocessWorkers), or Ray actors (pipeline/rollout_worker.py, RayWorkers)."""
+
+    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None: ...
+    def ended(self, w: int) -> str | None: ...  # "was killed by SIGKILL", "exited with code 1; ...", or None
+    def describe(self, w: int) -> str: ...
+    def stop(self, failed: bool) -> None: ...
+
+
+class SubprocessWorkers:
+    """`grpokit rollout-worker --connect ADDRESS --index I` processes on this machine: on CUDA worker w on GPU
+    w + 1 (NCCL puts one rank on a GPU; the trainer has GPU 0), on CPU sharing the cores."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+
+    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        if device.type == "cuda" and gpus < workers + 1:
+            raise RolloutWorkerError(
+                f"rollout.workers={workers} spawned beside the trainer need {workers + 1} GPUs (one each), "
+                f"and this machine shows {gpus}: lower rollout.workers, or start workers on other machines "
+                f"(rollout.worker_launch=external)")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+        for w in range(workers):
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = visible[((device.index or 0) + w + 1) % gpus]
+            self.logs.append(self.log_dir / f"rollout-worker-{w}.log")
+            with open(self.logs[w], "wb") as log:
+                command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", transport.address,
+                           "--index", str(w)] + (["--threads", str(threads)] if threads else []) + \
+                    (["--device", "cuda"] if gpus else [])  # the one GPU CUDA_VISIBLE_DEVICES leaves it
+                # its own session: a Ctrl-C at the terminal reaches the trainer alone, which saves (waiting
+                # for the batches in flight) and then stops its workers
+                self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                       preexec_fn=_parent_death_signal(), start_new_session=True))
+
+    def describe(self, w: int) -> str:
+        if w >= len(self.processes):
+            return f"rollout worker {w}"
+        return f"rollout worker {w} (pid {self.processes[w].pid}, log {self.logs[w]})"
+
+    def ended(self, w: int) -> str | None:
+        if w >= len(self.processes) or self.processes[w].poll() is None:
+            return None
+        code = self.processes[w].returncode
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}{self._tail(w)}"
+
+    def _tail(self, w: int) -> str:
+        if not self.logs[w].is_file():
+            return ""
+        lines = [line for line in self.logs[w].read_text(errors="replace").splitlines() if line.strip()]
+        return f"; its log ends: {lines[-1].strip()[:300]}" if lines else ""
+
+    def stop(self, failed: bool) -> None:
+        for process in self.processes:
+            try:
+                process.wait(timeout=0 if failed else 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class ExternalWorkers:
+    """Workers someone else starts (rollout.worker_launch=external): the trainer only waits for them."""
+
+    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+        print(f"grpokit: waiting for {workers} rollout worker(s): on each machine run `grpokit "
+              f"rollout-worker --connect {transport.address} --index I` with I = 0..{workers - 1}",
+              file=sys.stderr)
+
+    def describe(self, w: int) -> str:
+        return f"rollout worker {w}"
+
+    def ended(self, w: int) -> str | None:
+        return None
+
+    def stop(self, failed: bool) -> None:
+        """They stop when the trainer's store says so."""
+
+
 class RemoteRollouts:
     """Starts or awaits the workers, queues their tasks, pushes weights, collects and checks rollouts."""
 
     def __init__(self, rollout_config, run_config: dict, model: torch.nn.Module, sampling: dict, group_size: int,
-                 model_len: int, timeout_s: float, log_dir: Path, pad_id: int):
+                 model_len: int, timeout_s: float, log_dir: Path, pad_id: int, transport: Transport | None = None,
+                 launcher: WorkerLauncher | None = None):
+        """transport: how trainer and workers reach each other (default: a TCP store at
+        rollout.worker_address); launcher: who starts the workers (default: by rollout.worker_launch)."""
         self.workers, self.group_size, self.pad_id = rollout_config.workers, group_size, pad_id
         self.timeout_s, self.log_dir = timeout_s, Path(log_dir)
         # start-up (imports, model load) may take longer than a hung worker is given later
         self.start_timeout_s = rollout_config.worker_start_timeout_s
         self.started = False
         self.device = model_device(model)
-        host, _, port = rollout_config.worker_address.rpartition(":")
-        self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
-        self.address = f"{host}:{self.store.port}"
+        self.transport = transport or StoreTransport.host(rollout_config.worker_address, timeout_s)
+        self.address = self.transport.address
+        self.launcher = launcher or (SubprocessWorkers(self.log_dir) if rollout_config.worker_launch == "spawn"
+                                     else ExternalWorkers())
         weights = _weights(model)
         self.names = _distinct_tensors(weights)
-        shapes = [(name, list(_value(weights[name]).shape), str(_value(weights[name]).dtype).removeprefix("torch."))
+        # shapes and dtypes as declared (a DTensor's are the whole tensor's): nothing is gathered here, on
+        # rank 0 alone of a sharded trainer
+        shapes = [(name, list(weights[name].shape), str(weights[name].dtype).removeprefix("torch."))
                   for name in self.names]
-        self.store.set("setup", encode({"config": run_config, "tensors": shapes, "sampling": sampling,
-                                        "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
-                                        "device": self.device.type}))
-        self.processes: list[subprocess.Popen | None] = [None] * self.workers
-        self.logs: list[Path | None] = [None] * self.workers
-        self.channel: WeightChannel | None = None
+        self.transport.set("setup", encode({"config": run_config, "tensors": shapes, "sampling": sampling,
+                                            "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
+                                            "device": self.device.type}))
+        self.channel = None
         self.tasks: dict[int, list[Task]] = {}  # batch -> its task per worker, until the batch is taken
         self.received: dict[int, dict[int, dict]] = {}  # batch -> worker -> the message it returned
         self.sent = [0] * self.workers  # tasks queued per worker: the key of the next
         self.version = -1  # the newest version pushed
         self.pushed_bytes = 0
-        self.received_bytes: dict[int, int] = {}  # batch -> rollout bytes read from the store
+        self.received_bytes: dict[int, int] = {}  # batch -> rollout bytes read from the transport
         self.last_failure = ""  # what the workers' tool engines say failed their last samples
         self._beats = [(-1, time.monotonic())] * self.workers
         self._checked = 0.0
         self.threads = ""  # how spawned workers and the trainer share this machine's cores, said at start
         try:
-            if rollout_config.worker_launch == "spawn":
-                self._spawn(self._share_cores(rollout_config.worker_threads))
-            else:
-                print(f"grpokit: waiting for {self.workers} rollout worker(s): on each machine run `grpokit "
-                      f"rollout-worker --connect {self.address} --index I` with I = 0..{self.workers - 1}",
-                      file=sys.stderr)
+            spawned = isinstance(self.launcher, SubprocessWorkers) or getattr(self.launcher, "shares_cores", False)
+            threads = self._share_cores(rollout_config.worker_threads) if spawned else rollout_config.worker_threads
+            self.launcher.start(self.transport, self.workers, threads, self.device)
             self._await_all([f"ready/{w}" for w in range(self.workers)], starting=True)
             self.started = True
             self._beats = [(-1, time.monotonic())] * self.workers  # their hearts are timed from here on
             # the dtypes the workers hold each tensor in: pushes are cast to them (same config, same dtypes)
-            self.dtypes = [getattr(torch, d) for d in decode(self.store.get("dtypes/0"))["dtypes"]]
-            self.channel = WeightChannel(self.store, 0, self.workers + 1, self.device, timeout_s)
+            self.dtypes = [getattr(torch, d) for d in decode(self.transport.get("dtypes/0"))["dtypes"]]
+            self.channel = self.transport.weights(0, self.workers + 1, self.device, timeout_s)
+            if hasattr(self.channel, "health_check"):
+                self.channel.health_check = self._checked_now
         except BaseException:
             self.close(failed=True)
             raise
@@ -138,63 +249,31 @@ class RemoteRollouts:
         self.threads = f"; {threads} thread(s) per worker, {torch.get_num_threads()} for the trainer"
         return threads
 
-    def _spawn(self, threads: int) -> None:
-        """Start the workers here: on CUDA worker w on GPU w + 1 (NCCL puts one rank on a GPU; the trainer
-        has GPU 0), on CPU sharing the cores (_share_cores)."""
-        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
-        if self.device.type == "cuda" and gpus < self.workers + 1:
-            raise RolloutWorkerError(
-                f"rollout.workers={self.workers} spawned beside the trainer need {self.workers + 1} GPUs (one each), "
-                f"and this machine shows {gpus}: lower rollout.workers, or start workers on other machines "
-                f"(rollout.worker_launch=external)")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
-        for w in range(self.workers):
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = visible[((self.device.index or 0) + w + 1) % gpus]
-            self.logs[w] = self.log_dir / f"rollout-worker-{w}.log"
-            with open(self.logs[w], "wb") as log:
-                command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", self.address,
-                           "--index", str(w)] + (["--threads", str(threads)] if threads else []) + \
-                    (["--device", "cuda"] if gpus else [])  # the one GPU CUDA_VISIBLE_DEVICES leaves it
-                # its own session: a Ctrl-C at the terminal reaches the trainer alone, which saves (waiting
-                # for the batches in flight) and then stops its workers
-                self.processes[w] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     preexec_fn=_parent_death_signal(), start_new_session=True)
-
     # ------------------------------------------------------------------ health
-
-    def _describe(self, w: int) -> str:
-        process = self.processes[w]
-        return f"rollout worker {w}" + (f" (pid {process.pid}, log {self.logs[w]})" if process else "")
-
-    def _log_tail(self, w: int) -> str:
-        if self.logs[w] is None or not self.logs[w].is_file():
-            return ""
-        lines = [line for line in self.logs[w].read_text(errors="replace").splitlines() if line.strip()]
-        return f"; its log ends: {lines[-1].strip()[:300]}" if lines else ""
 
     def check_workers(self) -> None:
         """Raise RolloutWorkerError naming the first worker that reported a failure, exited, or has
         not beaten its heart for distributed.timeout_s since the workers started."""
         now = time.monotonic()
         for w in range(self.workers):
-            if self.store.check([f"error/{w}"]):
-                raise RolloutWorkerError(f"{self._describe(w)} failed: {self.store.get(f'error/{w}').decode()}")
-            process = self.processes[w]
-            if process is not None and process.poll() is not None:
-                code = process.returncode
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
-                    f"exited with code {code}{self._log_tail(w)}"
-                raise RolloutWorkerError(f"{self._describe(w)} {how}")
-            beat = self.store.add(f"beat/{w}", 0)
+            if self.transport.check(f"error/{w}"):
+                raise RolloutWorkerError(f"{self.launcher.describe(w)} failed: "
+                                         f"{self.transport.get(f'error/{w}').decode()}")
+            ended = self.launcher.ended(w)
+            if ended is not None:
+                raise RolloutWorkerError(f"{self.launcher.describe(w)} {ended}")
+            beat = self.transport.add(f"beat/{w}", 0)
             if beat != self._beats[w][0]:
                 self._beats[w] = (beat, now)
             elif self.started and now - self._beats[w][1] > self.timeout_s:
-                raise RolloutWorkerError(f"{self._describe(w)} has not answered for {now - self._beats[w][1]:.0f}s "
-                                         f"(distributed.timeout_s={self.timeout_s:g})")
+                raise RolloutWorkerError(f"{self.launcher.describe(w)} has not answered for "
+                                         f"{now - self._beats[w][1]:.0f}s (distributed.timeout_s={self.timeout_s:g})")
+
+    def _checked_now(self) -> None:
+        """check_workers at most every CHECK_S (it asks each worker's launcher and transport)."""
+        if time.monotonic() - self._checked > CHECK_S:
+            self._checked = time.monotonic()
+            self.check_workers()
 
     def _await_all(self, keys: list[str], starting: bool = False) -> float:
         """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited.
@@ -202,14 +281,12 @@ class RemoteRollouts:
         deadline)."""
         started = time.monotonic()
         for key in keys:
-            while not self.store.check([key]):
-                if time.monotonic() - self._checked > CHECK_S:
-                    self._checked = time.monotonic()
-                    self.check_workers()
+            # each wait_any returns as soon as the key is set, at the latest after CHECK_WINDOW_S
+            while not self.transport.wait_any([key], CHECK_WINDOW_S):
+                self._checked_now()
                 if starting and time.monotonic() - started > self.start_timeout_s:
                     raise RolloutWorkerError(f"only some of the {self.workers} rollout worker(s) started within "
                                              f"rollout.worker_start_timeout_s={self.start_timeout_s:g}s (missing: {key})")
-                time.sleep(POLL_S)
         return time.monotonic() - started
 
     # ------------------------------------------------------------------ weights
@@ -243,7 +320,7 @@ class RemoteRollouts:
             self._queue(task)
 
     def _queue(self, task: Task) -> None:
-        self.store.set(f"task/{task.worker}/{self.sent[task.worker]}", encode(task.to_dict()))
+        self.transport.set(f"task/{task.worker}/{self.sent[task.worker]}", encode(task.to_dict()))
         self.sent[task.worker] += 1
 
     def _receive(self, batch: int) -> float:
@@ -254,10 +331,10 @@ class RemoteRollouts:
                 continue
             key = f"result/{batch}/{task.worker}"
             waited += self._await_all([key])
-            data = self.store.get(key)
+            data = self.transport.get(key)
             self.received_bytes[batch] = self.received_bytes.get(batch, 0) + len(data)
             self.received[batch][task.worker] = decode(data)
-            self.store.delete_key(key)
+            self.transport.delete(key)
         return waited
 
     def take(self, batch: int) -> tuple[Rollout, int, dict, float]:
@@ -327,16 +404,9 @@ class RemoteRollouts:
         """Tell the workers to stop, wait a little for them, then end any that remain. After a
         failure (`failed`) a worker may be hung: the spawned ones are ended at once."""
         try:
-            self.store.set("stop", b"1")
+            self.transport.set("stop", b"1")
             if self.channel is not None:
                 self.channel.abort() if failed else self.channel.stop()
         except RuntimeError:
             pass  # a worker is already gone: ended below
-        for process in self.processes:
-            if process is None:
-                continue
-            try:
-                process.wait(timeout=0 if failed else 30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self.launcher.stop(failed)

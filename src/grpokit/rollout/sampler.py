@@ -3,8 +3,11 @@ truncation flags."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import inspect
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,9 @@ class SamplingParams:
     top_p: float = 1.0
     batch_size: int = 256  # completions per `generate` call; bounds memory, not results
     stop: tuple[str, ...] = ()
+    # Rows of one `generate` call that share a prompt (a group's G completions) prefill it once and
+    # copy its KV cache; same distribution, same reported log-probs, not the same rounding (rollout.shared_prefill).
+    shared_prefill: bool = False
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -47,6 +53,61 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("the tokenizer has no eos_token and the model's generation_config names none; set one")
     return ids
+
+
+# generation_config fields that name tokens, which rollouts keep (EOS ends a completion, pad fills rows);
+# and bookkeeping that changes nothing drawn. Every other field a checkpoint sets (temperature, top_p,
+# top_k, min_p, repetition and length penalties, n-gram bans, forced or suppressed tokens, lengths) is
+# ignored: the run's own SamplingParams are the one source of the distribution the loss assumes.
+KEPT_GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+BOOKKEEPING_FIELDS = {"transformers_version", "_from_model_config", "use_cache", "output_attentions",
+                      "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+                      "cache_implementation", "cache_config", "_commit_hash"}
+_noted_defaults: set[str] = set()
+
+
+def checkpoint_sampling_defaults(model: torch.nn.Module) -> dict:
+    """The values the model's generation_config (a checkpoint's generation_config.json) sets that
+    would change what `generate` draws, which rollouts ignore: {field: value}, {} when none."""
+    config = getattr(model, "generation_config", None)
+    if not isinstance(config, GenerationConfig):
+        return {}
+    return {key: value for key, value in sorted(config.to_diff_dict().items())
+            if key not in KEPT_GENERATION_FIELDS and key not in BOOKKEEPING_FIELDS and value is not None}
+
+
+def note_ignored_sampling_defaults(model: torch.nn.Module, where: str = "") -> None:
+    """Say once, in one line, which of the checkpoint's sampling defaults rollouts ignore."""
+    ignored = checkpoint_sampling_defaults(model)
+    if not ignored:
+        return
+    shown = ", ".join(f"{key}={value}" for key, value in ignored.items())
+    if shown in _noted_defaults:
+        return
+    _noted_defaults.add(shown)
+    source = where or getattr(getattr(model, "config", None), "_name_or_path", "") or "the model"
+    print(f"grpokit: {source}: its generation_config sets {shown}; rollouts ignore them and sample from the "
+          "run's own temperature and top_p alone (docs/guides/rollout-engines.md)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def run_sampling_only(model: torch.nn.Module) -> Iterator[None]:
+    """While it is open, `generate` on `model` (or a PEFT/FSDP wrapper of it) sees a generation_config
+    holding only the checkpoint's token ids: transformers fills every field a caller leaves unset from
+    the model's own generation_config, so without this a checkpoint's top_k, min_p or repetition
+    penalty would reshape the distribution sampled, unseen by the log-probs the loss uses."""
+    saved = []
+    for module in model.modules():
+        config = module.__dict__.get("generation_config")
+        if isinstance(config, GenerationConfig):
+            kept = {key: getattr(config, key, None) for key in KEPT_GENERATION_FIELDS}
+            saved.append((module, config))
+            module.generation_config = GenerationConfig(**{k: v for k, v in kept.items() if v is not None})
+    try:
+        yield
+    finally:
+        for module, config in saved:
+            module.generation_config = config
 
 
 def completion_mask_and_truncation(
@@ -168,16 +229,19 @@ def sample_ids(model: torch.nn.Module, tokenizer, prompt_ids: torch.Tensor, prom
     if params.stop:
         _check_stop_strings(tokenizer, params.stop)
     decode = decode or plain_generate
+    shares = params.shared_prefill and getattr(decode, "takes_prefilled_cache", False)
     chunks, logps = [], []
     # A sharded (FSDP2) policy is gathered once for the whole call (each process must make the
     # same number of calls), so the decoding forwards run no collectives: transformers' synced_gpus
     # (on by default for FSDP, one all_reduce per token) is off, and each process decodes alone.
-    with gathered_for_generation(model) as gathered:
+    with gathered_for_generation(model) as gathered, run_sampling_only(model):
         for start in range(0, prompt_ids.shape[0], params.batch_size):
             ids = prompt_ids[start : start + params.batch_size].to(device)
             mask = prompt_mask[start : start + params.batch_size].to(device)
+            # Not on a gathered (FSDP2) policy: its forwards outside generate would need the same lockstep.
+            prefilled = shared_prefix_cache(model, ids, mask) if shares and not gathered else {}
             new_ids, logp = decode(model, ids, mask, gen_config,
-                                   **({"synced_gpus": False} if gathered else {}), **stop_kwargs)
+                                   **({"synced_gpus": False} if gathered else {}), **stop_kwargs, **prefilled)
             chunks.append(new_ids.cpu())
             logps.append(None if logp is None else logp.float().cpu())
     if was_training:
@@ -215,6 +279,49 @@ def plain_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     """transformers' `generate` as it comes (a dynamic KV cache); it reports no log-probs."""
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, **generate_kwargs)
     return out[:, ids.shape[1] :], None
+
+
+plain_generate.takes_prefilled_cache = True  # generate continues from the cache shared_prefix_cache gives
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name `generate` and `forward` take a Cache under: `cache` in recent transformers, `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
+def shared_prefix_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """{cache argument: a DynamicCache of every row's prompt but its last token} for `generate` to continue
+    from, where rows repeat (a group's G copies of one prompt); {} where none does, or the model's cache
+    is not one `generate` can resume (linear-attention layers).
+
+    Each distinct row is prefilled once, with the position ids `generate` would give it (from the
+    mask), and its keys and values are copied to its repeats. `generate` then feeds each row only its
+    last prompt token, so the first sampled token comes from the same logits, up to float rounding of
+    the smaller products, and the tokens are drawn exactly as from the expanded batch."""
+    from transformers import DynamicCache
+
+    n, width = ids.shape
+    if n < 2 or width < 2:
+        return {}
+    distinct, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+    if distinct.shape[0] == n:
+        return {}
+    first = torch.full((distinct.shape[0],), n, dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(n, device=ids.device), reduce="amin")
+    prefix_ids, prefix_mask = ids[first, :-1], mask[first, :-1]
+    positions = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 0)  # as generate computes them
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **keep)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if not isinstance(cache, DynamicCache) or any(getattr(cache, "is_linear", None) or ()):
+        return {}
+    cache.batch_select_indices(inverse)
+    return {cache_argument(model): cache}
 
 
 @dataclass(frozen=True)

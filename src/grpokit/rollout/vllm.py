@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
-from grpokit.rollout.logprobs import token_logprobs
+from grpokit.models.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
                                     completion_mask_and_truncation)
@@ -195,6 +195,10 @@ class VLLMEngine:
             enforce_eager=self._on_cpu if enforce_eager is None else enforce_eager,
             # Log-probs after temperature/top_p: those of the distribution actually sampled.
             logprobs_mode="processed_logprobs",
+            # vLLM's own neutral defaults, never the checkpoint's generation_config.json (which may set
+            # top_k, min_p or a repetition penalty): the request's temperature and top_p are the whole
+            # distribution, as with transformers (rollout/sampler.py, run_sampling_only).
+            generation_config="vllm",
             enable_sleep_mode=self.sleep_enabled,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),

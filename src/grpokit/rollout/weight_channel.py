@@ -18,9 +18,9 @@ import torch.distributed as dist
 STOP = -1  # the header version that tells a worker's receiver no more weights come
 
 
-def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float):
+def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = ""):
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore("weights", store)
+    prefixed = dist.PrefixStore(prefix + "weights", store)
     if device.type == "cuda":
         # NCCL's wait() only orders streams and a timeout aborts the process from a watchdog; blocking
         # wait makes it raise in the caller instead, which names the worker and how to resume
@@ -34,9 +34,10 @@ def _process_group(store, rank: int, size: int, device: torch.device, timeout_s:
 class WeightChannel:
     """One end of the weight group: `push` on the trainer (rank 0), `receive_*` on a worker."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float):
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = ""):
+        """prefix: the run's key prefix on the store (a shared secret's digest, rollout/transport.py)."""
         self.rank, self.size, self.device = rank, size, torch.device(device)
-        self.group = _process_group(store, rank, size, self.device, timeout_s)
+        self.group = _process_group(store, rank, size, self.device, timeout_s, prefix)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()

@@ -120,14 +120,15 @@ class Trainer(Checkpointing):
         # set by the pipeline: (step) -> metrics that join the step's row (the periodic held-out evaluation)
         self.after_step: Callable[[int], dict] | None = None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=config.save_total_limit)
-        self.sampling = sampling_params(config)
+        self.sampling = sampling_params(config, self.rollout_config.shared_prefill)
         self.process_reward = process_reward  # set: process supervision (eq. 6) from its step scores
         # rollout workers (rollout.workers > 0) sample on a fixed schedule of policy versions while this
         # process learns; otherwise this process's engine samples each step's batch
         self.prompts = PromptOrder(dataset, seed)
         self.sampler = (
             RemoteSampler(remote, model, engine, self.prompts, config, self.rollout_config.staleness, self._score,
-                          seed, self.checkpoints.latest) if remote is not None else
+                          seed, self.checkpoints.latest, self.rank, self.world_size)
+            if remote is not None or self.rollout_config.workers else
             LocalSampler(model, engine, self.prompts, config, self.sampling, self._score, seed, self.rank,
                          self.world_size, tokenizer.pad_token_id, self.checkpoints.latest))
         self.algorithm = algorithm

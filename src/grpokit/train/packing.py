@@ -53,6 +53,18 @@ def decide_packing(mode: str, model: torch.nn.Module, rollout: Rollout, pad_id: 
             raise ConfigError("grpo.pack_rows=on is not supported with several processes (torchrun) yet: "
                               "set grpo.pack_rows to auto (pads there) or off")
         return False
+    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    if mode != "off" and "flash" in attention:
+        # transformers' flash-attention path reads packed position_ids as sample boundaries only when the
+        # batch holds one row; RL's micro-batches hold several, so their samples would attend to each other.
+        if mode == "on":
+            raise ConfigError(f"grpo.pack_rows=on with model.attn_implementation={attention}, which keeps packed "
+                              "samples apart only one row at a time: set grpo.pack_rows to auto (pads) or off, or use "
+                              "sdpa")
+        if distributed.is_main():
+            print(f"grpokit: {attention} keeps packed samples apart only one row at a time; log-prob passes and "
+                  "updates pad one sample per row instead (grpo.pack_rows=auto; sdpa packs)", file=sys.stderr)
+        return False
     packs = mode != "off" and distributed.all_agree(packs_apart(model, rollout, pad_id, max_tokens, False))
     if not packs and mode == "on":
         raise ConfigError("grpo.pack_rows=on, but this policy's attention does not keep packed samples "

@@ -24,7 +24,8 @@ from grpokit.config import GRPOConfig
 from grpokit.math import groups_with_spread
 from grpokit.rewards import RewardResult
 from grpokit.rollout import RolloutEngine, SamplingParams, WeightSyncError, request_seeds
-from grpokit.rollout.remote import RemoteRollouts
+from grpokit import distributed
+from grpokit.rollout.remote import RemoteRollouts, gather_for_push
 from grpokit.rollout.schedule import batches_ready, sampling_version
 from grpokit.rollout.wire import Task
 from grpokit.types import Rollout
@@ -33,10 +34,11 @@ from grpokit.types import Rollout
 Score = Callable[[Rollout], RewardResult]
 
 
-def sampling_params(config: GRPOConfig) -> SamplingParams:
-    """How RL samples its completions (grpo.max_completion_length, temperature, top_p, generation_batch_size)."""
+def sampling_params(config: GRPOConfig, shared_prefill: bool = False) -> SamplingParams:
+    """How RL samples its completions (grpo.max_completion_length, temperature, top_p, generation_batch_size;
+    rollout.shared_prefill)."""
     return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                          top_p=config.top_p, batch_size=config.generation_batch_size)
+                          top_p=config.top_p, batch_size=config.generation_batch_size, shared_prefill=shared_prefill)
 
 
 class PromptOrder:
@@ -162,27 +164,41 @@ class RemoteSampler:
     policy version sampling_version(b, staleness); staleness = versions between that one and the one
     the batch updates. `engine`: this process's own engine, which evaluation uses after training."""
 
-    def __init__(self, remote: RemoteRollouts, model: torch.nn.Module, engine: RolloutEngine, order: PromptOrder,
-                 config: GRPOConfig, staleness: int, score: Score, seed: int,
-                 last_checkpoint: Callable[[], Path | None]):
+    def __init__(self, remote: RemoteRollouts | None, model: torch.nn.Module, engine: RolloutEngine,
+                 order: PromptOrder, config: GRPOConfig, staleness: int, score: Score, seed: int,
+                 last_checkpoint: Callable[[], Path | None], rank: int = 0, world_size: int = 1):
+        """remote: the workers, on trainer rank 0; None on the other ranks of a sharded (FSDP2) trainer,
+        which take their share of each batch from rank 0 and their part in gathering each push."""
         self.remote, self.model, self.engine, self.order = remote, model, engine, order
+        self.rank, self.world_size = rank, world_size
         self.config, self.staleness = config, staleness
         self.score, self.seed, self.last_checkpoint = score, seed, last_checkpoint
         self._again: dict[int, tuple[list, list]] = {}  # a resumed run's batches to queue again: rows, seeds
         self._version_floor = 0  # the oldest version the workers can sample: the one they started from
         self._dropped_stale = 0  # completions of a resumed run's batches too stale to use (counted once)
         self._in_flight: list[dict] | None = None  # batches in flight, for the next checkpoint
+        self._started = False  # the first push and tasks go out with the first sample
 
     def _start(self, version: int) -> None:
         """Give the workers the policy as it is now (a fresh run's or a checkpoint's), then their tasks."""
-        self.remote.push(version, self.model)
+        self._push(version)
         self._queue(version)
+        self._started = True
+
+    def _push(self, version: int) -> None:
+        """Rank 0 sends `version` to the workers; every trainer rank gathers each sharded tensor with it."""
+        if self.remote is not None:
+            self.remote.push(version, self.model)
+        else:
+            gather_for_push(self.model)
 
     def _queue(self, version: int) -> None:
         """Queue to the workers every batch the newest version may sample (rollout/schedule.py) that is
         not queued yet: a resumed run's own rows again, else the next B prompts of the data order, with
         the seeds a synchronous run would give them."""
         cfg = self.config
+        if self.remote is None:  # rank 0 alone holds the schedule
+            return
         for batch in batches_ready(version, self.staleness, cfg.max_steps):
             if batch <= version or self.remote.queued(batch):
                 continue
@@ -195,23 +211,33 @@ class RemoteSampler:
 
     def sample(self, step: int, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """Batch step + 1 from the workers, scored (the workers start on the first call)."""
-        if self.remote.version < 0:
+        if not self._started:
             self._start(step)
-        rollout, version, metrics, waited = self.remote.take(step + 1)
+        t = time.perf_counter()
+        taken, waited = None, 0.0
+        if self.remote is not None:  # rank 0: the batch, and the metrics every rank logs alike
+            rollout, version, metrics, waited = self.remote.take(step + 1)
+            dropped, self._dropped_stale = self._dropped_stale, 0
+            taken = rollout, {"rollout/staleness_mean": float(step - version), "rollout/staleness_max": step - version,
+                              "rollout/dropped_stale": dropped, "rollout/push_bytes": self.remote.pushed_bytes,
+                              **metrics}
+        if self.world_size > 1:  # the others take theirs from rank 0: its whole groups, contiguous, as LocalSampler's
+            taken = distributed.broadcast_object(taken)
+            waited = waited if self.remote is not None else time.perf_counter() - t
+        rollout, metrics = taken
         timings["perf/rollout_time_s"] += waited
+        if self.world_size > 1:
+            local = rollout.num_samples // self.world_size
+            rollout = rollout.take(torch.arange(self.rank * local, (self.rank + 1) * local))
         t = time.perf_counter()
         result = self.score(rollout)
         timings["perf/scoring_time_s"] += time.perf_counter() - t
-        staleness = step - version
-        dropped, self._dropped_stale = self._dropped_stale, 0
-        return rollout, result, {"rollout/staleness_mean": float(staleness), "rollout/staleness_max": staleness,
-                                 "rollout/dropped_stale": dropped, "rollout/push_bytes": self.remote.pushed_bytes,
-                                 **metrics}
+        return rollout, result, metrics
 
     def sync(self, version: int) -> dict:
         """After an update: the workers stage `version` until a task asks for it; then queue what it may sample."""
         t = time.perf_counter()
-        self.remote.push(version, self.model)
+        self._push(version)
         seconds = time.perf_counter() - t
         self._queue(version)
         return {"rollout/sync_time_s": seconds}
@@ -223,14 +249,14 @@ class RemoteSampler:
             push_weights(self.engine, self.model, version, self.last_checkpoint)
 
     def failure(self) -> str:
-        return self.remote.last_failure
+        return self.remote.last_failure if self.remote is not None else ""
 
     def step_metrics(self, timings: dict, seconds: float) -> dict:
         return {"perf/trainer_idle_frac": timings["perf/rollout_time_s"] / seconds}
 
     def before_save(self, step: int) -> None:
-        """The batches in flight, waiting for those a resumed run could not sample again."""
-        self._in_flight = self.remote.in_flight(step)
+        """The batches in flight, waiting for those a resumed run could not sample again (rank 0's)."""
+        self._in_flight = self.remote.in_flight(step) if self.remote is not None else None
 
     def state_dict(self) -> dict:
         return {"rollout_in_flight": self._in_flight,  # and a resumed run's batches not queued again yet
@@ -238,8 +264,10 @@ class RemoteSampler:
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """The batches in flight at the checkpoint; the workers start from version `step`."""
+        self._version_floor = step
+        if self.remote is None:
+            return
         self._again, self._dropped_stale = self.remote.restore(state.get("rollout_in_flight", []), self.staleness)
         for entry in state.get("rollout_again", []):
             task = Task.from_dict(entry)
             self._again[task.batch] = (task.rows, task.seeds)
-        self._version_floor = step

@@ -10,7 +10,7 @@ A step's rows go through the model in micro-batches of at most sft.max_tokens_pe
 tokens (rows x the micro-batch's widest row), each back-propagating its summed token loss over
 the whole batch's token count, so gradients accumulate to the one-forward gradient. The loss
 never builds [rows, L, vocab] float32 logits: only labelled positions reach the LM head, in tiles
-(rollout/logprobs.py, labelled_logprobs).
+(models/logprobs.py, labelled_logprobs).
 
 Under torchrun each process takes its own share of every batch (sft.batch_size stays the
 global batch) and divides its summed token loss by the batch's token count over all
@@ -32,7 +32,7 @@ from grpokit.micro_batches import pack_rows, split_by_tokens
 from grpokit.models.precision import compute_dtype
 from grpokit.models.sharding import grad_norm_value
 from grpokit.run.progress import progress as progress_bar
-from grpokit.rollout.logprobs import attended_ends, labelled_logprobs
+from grpokit.models.logprobs import attended_ends, labelled_logprobs
 from grpokit.train.schedule import make_optimizer, warmup_cosine
 from grpokit.models.device import model_device
 
@@ -224,6 +224,9 @@ def packing_matches_padding(model, examples: TokenizedExamples, indices: list[in
     try:
         packed_inputs = packed_batch(examples, indices, pad_id)
         padded = target_logprobs(model, padded_batch(examples, indices, pad_id), max_tokens, lockstep)
+        # Two packed rows or more share each forward, as in RL's micro-batches: an attention that reads
+        # packed positions only for a batch of one row (flash-attention 2 in transformers) shows here.
+        max_tokens = max(max_tokens, 2 * packed_inputs["input_ids"].shape[1])
         packed = target_logprobs(model, packed_inputs, max_tokens, lockstep)
         for r, row in enumerate(layout):
             offset = 0

@@ -1,0 +1,344 @@
+"""The conformance suite (`make test-conformance`): rollouts sample exactly what the trainer thinks they
+sample, on the checkpoints users bring, through each CPU engine (docs/guides/rollout-engines.md).
+
+Checkpoints (built from `make models`' files; skipped without them):
+- smollm2-qwen-defaults: SmolLM2-135M-Instruct whose generation_config.json carries Qwen2.5-Instruct's
+  sampling defaults (temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05) and a min_p;
+- gemma-3-270m: a second real architecture (sliding-window and global attention, a 262,144-token
+  vocabulary, no chat template, BOS added by the tokenizer);
+- qwen3-tiny: a tiny Qwen3 on the real Qwen3 tokenizer, its chat template and <think> tags, with the
+  embedding padded past the vocabulary as Qwen's is (151,936 rows for 151,669 tokens), the padded rows
+  made the likeliest of all so that sampling them would show;
+- llama3-style: a tiny Llama whose tokenizer adds BOS itself, has no pad token and a chat template that
+  writes BOS too, and whose generation_config names a list of EOS ids.
+
+Checks: (a) sampled = reported, (b) pi_old = sampler, (c) packed = padded, (d) prompt tokens and EOS,
+(e) no ghost tokens. Every model is loaded through grpokit's own loader, as a run loads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpokit.config.schema import RolloutConfig
+from grpokit.data.templates import adds_bos, plain_text, render_prompt
+from grpokit.models.loading import load_model_and_tokenizer
+from grpokit.models.vocabulary import GHOST_LOGIT
+from grpokit.rollout.engine import make_engine
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout.sampler import SamplingParams, _eos_ids
+from run_helpers import bucketed_tv
+
+pytestmark = pytest.mark.conformance
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+SMOLLM2 = MODELS / "smollm2-135m-instruct"
+GEMMA = MODELS / "gemma-3-270m"
+QWEN3_TOKENIZER = MODELS / "tokenizers" / "qwen3"
+ENGINES = ("hf", "hf_static")
+# Engines that report each sampled token's log-prob (the others report none: check (b) has nothing to compare)
+REPORTING = ("hf_static",)
+DRAWS = 2000
+# A real run's rollout temperature (grpo.temperature's default) for (b)
+RUN_TEMPERATURE = 0.7
+QWEN25_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                   "min_p": 0.05}
+QUESTION = "What is 12 + 30?"
+# Base models continue text: the one prompt that a base model (no chat template) is asked to continue
+PLAIN_PROMPT = "The three primary colours are red, yellow and"
+# fp32: the sampler's log-prob of a token and the trainer's differ only by batch shapes' rounding.
+# bf16 (the documented bound, docs/guides/rollout-engines.md): measured on 64-token completions at T 0.7,
+# max 0.320 and mean 0.031 on SmolLM2, max 0.332 and mean 0.021 on Gemma-3-270M. A decode step's bf16 KV
+# cache and one full forward round differently, and bf16's 8-bit mantissa on logits of 20-30 is steps of
+# 0.06-0.125, divided by T. Bounds: about 1.5x what was measured.
+FP32_BOUND, BF16_BOUND, BF16_MEAN_BOUND = 1e-4, 0.5, 0.05
+
+
+def _need(path: Path) -> None:
+    if not path.exists():
+        pytest.skip(f"needs {path.relative_to(MODELS.parent)}: run `make models`")
+
+
+def _peaked_head(model: torch.nn.Module, ids: list[int], scale: float = 0.6, seed: int = 0) -> None:
+    """A random tiny model's head made to put most mass on a few dozen ids (and the rest spread thin), so
+    that 2,000 draws can tell two distributions apart."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight.zero_()
+        weight[ids] = torch.randn(len(ids), weight.shape[1], generator=generator) * scale
+
+
+def _qwen3_tiny(root: Path) -> Path:
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    _need(QWEN3_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    config = Qwen3Config(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    common = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")] + list(range(15, 60))
+    _peaked_head(model, common + eos)
+    with torch.no_grad():  # the padded rows: copies of the likeliest rows, scaled up, so unmasked they would win
+        weight = model.lm_head.weight
+        weight[len(tokenizer):] = weight[common[0]] * 3
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=eos[1],
+                                               do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    folder = root / "qwen3-tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+                   "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def _llama3_style(root: Path) -> Path:
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    _need(SMOLLM2)
+    backend = Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    backend.add_special_tokens(specials)
+    bos = backend.token_to_id("<|begin_of_text|>")
+    backend.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                special_tokens=[("<|begin_of_text|>", bos)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                        eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE)
+    assert tokenizer.pad_token is None
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=bos)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    eos = [backend.token_to_id("<|end_of_text|>"), backend.token_to_id("<|eot_id|>")]
+    _peaked_head(model, list(range(200, 240)) + eos)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, do_sample=True, temperature=0.6,
+                                               top_p=0.9)
+    folder = root / "llama3-style"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _smollm2_qwen_defaults(root: Path) -> Path:
+    _need(SMOLLM2)
+    folder = root / "smollm2-qwen-defaults"
+    shutil.copytree(SMOLLM2, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, **QWEN25_DEFAULTS}))
+    return folder
+
+
+def _gemma(root: Path) -> Path:
+    _need(GEMMA)
+    return GEMMA
+
+
+BUILDERS = {"smollm2-qwen-defaults": _smollm2_qwen_defaults, "gemma-3-270m": _gemma, "qwen3-tiny": _qwen3_tiny,
+            "llama3-style": _llama3_style}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conformance")
+    return functools.cache(lambda name: BUILDERS[name](root))
+
+
+@functools.cache
+def _load(folder: str, dtype: str = "fp32"):
+    model, tokenizer = load_model_and_tokenizer(folder, dtype=dtype, device="cpu")
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(params=list(BUILDERS))
+def checkpoint(request, checkpoint_dirs):
+    """(name, model, tokenizer), fp32, as grpokit loads it."""
+    model, tokenizer = _load(str(checkpoint_dirs(request.param)))
+    return request.param, model, tokenizer
+
+
+def _prompt(tokenizer) -> str:
+    """The text a run gives the policy: the chat template's where there is one, else plain text."""
+    if tokenizer.chat_template:
+        return render_prompt(QUESTION, tokenizer, template="none")
+    return _plain(tokenizer)
+
+
+def _plain(tokenizer) -> str:
+    """PLAIN_PROMPT as the tokenizer itself would begin it (BOS where it adds one): the short prompt of
+    check (a), whose 2,000 prefills dominate the suite's time."""
+    return (tokenizer.bos_token if adds_bos(tokenizer) else "") + PLAIN_PROMPT
+
+
+def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's log-probs of every id after `prompt` ([rows of the LM head]), through the model's head."""
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(**ids).logits[0, -1].float()
+    logits = logits / temperature
+    return logits - torch.logsumexp(logits, dim=-1)  # as the trainer computes it (models/logprobs.py)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sampled_frequencies_match_the_reported_distribution(checkpoint, engine):
+    """2,000 draws of one token at temperature 1, top_p 1: their frequencies match the distribution the
+    trainer computes (and, for an engine that reports log-probs, each draw's reported log-prob is that
+    distribution's). Before the fix the checkpoint's generation_config reshaped the draws (TV 0.19 on
+    SmolLM2 with strong defaults)."""
+    name, model, tokenizer = checkpoint
+    prompt = _plain(tokenizer)
+    logp = _next_token_logp(model, tokenizer, prompt)
+    torch.manual_seed(0)
+    rollout = make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
+        [prompt], DRAWS, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, batch_size=500))
+    drawn = rollout.input_ids[:, rollout.prompt_length]
+    freq = torch.bincount(drawn, minlength=logp.numel()).float() / DRAWS
+    tv, bound = bucketed_tv(freq, logp.exp(), DRAWS)
+    print(f"{name}/{engine}: total variation {tv:.4f} (bound {bound:.4f})")
+    assert tv <= bound, f"{name}/{engine}: sampled frequencies are {tv:.3f} in total variation from the " \
+                        f"trainer's distribution (honest sampling stays under {bound:.3f})"
+    assert int(drawn.max()) < len(tokenizer)  # (e): never an id past the tokenizer
+    if rollout.sampling_logp is not None:
+        reported = rollout.sampling_logp[:, 0]
+        assert torch.allclose(reported, logp[drawn], atol=FP32_BOUND, rtol=0), \
+            f"{name}/{engine}: reported log-probs differ from the trainer's by {(reported - logp[drawn]).abs().max():.2e}"
+
+
+def _completions(model, tokenizer, engine: str, groups: int = 2, group_size: int = 4, tokens: int = 64, seed: int = 0):
+    prompt = _prompt(tokenizer)
+    torch.manual_seed(seed)
+    return make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
+        [prompt] * groups, group_size, SamplingParams(max_new_tokens=tokens, temperature=RUN_TEMPERATURE))
+
+
+def _pi_old(model, rollout, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                 temperature=RUN_TEMPERATURE, **kwargs)
+    return logp.float()
+
+
+@pytest.mark.parametrize("engine", REPORTING)
+def test_b_pi_old_equals_the_samplers_log_probs_fp32(checkpoint, engine):
+    """The trainer's pi_old log-probs of 64-token completions equal the sampler's reported ones (<= 1e-4, fp32)."""
+    name, model, tokenizer = checkpoint
+    rollout = _completions(model, tokenizer, engine)
+    mask = rollout.completion_mask.bool()
+    assert int(rollout.completion_ids[mask].max()) < len(tokenizer)  # (e)
+    diff = (_pi_old(model, rollout) - rollout.sampling_logp)[mask].abs().max().item()
+    assert diff <= FP32_BOUND, f"{name}/{engine}: pi_old and the sampler differ by {diff:.2e} in fp32"
+
+
+@pytest.mark.parametrize("name", ["smollm2-qwen-defaults", "gemma-3-270m"])
+def test_b_pi_old_equals_the_samplers_log_probs_bf16(name, checkpoint_dirs):
+    """The same in bf16 on the real checkpoints, within BF16_BOUND (its measurement is at the constant)."""
+    model, tokenizer = _load(str(checkpoint_dirs(name)), "bf16")
+    rollout = _completions(model, tokenizer, "hf_static")
+    mask = rollout.completion_mask.bool()
+    gap = (_pi_old(model, rollout) - rollout.sampling_logp)[mask].abs()
+    diff, mean = gap.max().item(), gap.mean().item()
+    print(f"{name}: bf16 |pi_old - sampler| max {diff:.4f}, mean {mean:.4f} over {int(mask.sum())} tokens")
+    assert diff <= BF16_BOUND, f"{name}: pi_old and the sampler differ by {diff:.3f} in bf16"
+    assert mean <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {mean:.4f} on average in bf16"
+
+
+def test_c_packed_log_probs_and_gradients_equal_padded(checkpoint):
+    """Several samples packed into each of >= 2 rows of one forward give the padded log-probs and gradients."""
+    name, model, tokenizer = checkpoint
+    rollout = _completions(model, tokenizer, "hf", groups=2, group_size=3, tokens=24)
+    lengths = rollout.attention_mask.sum(1)
+    width = int(lengths.max()) * 2  # each packed row holds two samples or so: 6 samples make >= 2 rows
+    params = [p for p in model.parameters() if p.requires_grad][-4:]
+
+    def run(pack: bool):
+        model.zero_grad()
+        logp, _ = token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length,
+                                 temperature=RUN_TEMPERATURE, micro_batch_size=64, pack=pack, pack_width=width)
+        (logp * rollout.completion_mask).sum().backward()
+        return logp.detach(), [p.grad.detach().clone() for p in params]
+
+    padded, padded_grads = run(False)
+    packed, packed_grads = run(True)
+    model.zero_grad()
+    assert (packed - padded).abs().max().item() <= FP32_BOUND, f"{name}: packed log-probs differ from padded"
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3), f"{name}: packed gradients differ from padded"
+
+
+def test_d_prompt_tokens_are_the_chat_templates_and_eos_ends_completions(checkpoint):
+    """The prompt ids a run feeds are apply_chat_template's (one BOS at most, the system prompt as the
+    template writes it), or for a base model the tokenizer's own encoding with its BOS; every completion
+    ends at its first EOS, any of generation_config's EOS ids."""
+    name, model, tokenizer = checkpoint
+    system = "You are a careful mathematician."
+    for kwargs in ({}, {"system_prompt": system}):
+        ids = tokenizer(render_prompt(QUESTION, tokenizer, template="none", **kwargs),
+                        add_special_tokens=False)["input_ids"]
+        if tokenizer.chat_template:
+            messages = ([{"role": "system", "content": system}] if kwargs else []) + [
+                {"role": "user", "content": QUESTION}]
+            expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        else:
+            expected = tokenizer(plain_text(QUESTION, system_prompt=kwargs.get("system_prompt", "")))["input_ids"]
+        assert ids == list(expected), f"{name}: prompt ids differ from the template's"
+        if tokenizer.bos_token_id is not None:  # (ChatML's BOS, <|im_start|>, opens every turn: only the start counts)
+            assert ids[:2] != [tokenizer.bos_token_id] * 2, f"{name}: the prompt begins with BOS twice"
+            assert ids[0] == tokenizer.bos_token_id or not adds_bos(tokenizer), f"{name}: the prompt lacks BOS"
+    declared = model.generation_config.eos_token_id
+    declared = [declared] if isinstance(declared, int) else list(declared or [])
+    eos = _eos_ids(model, tokenizer)
+    assert set(declared) <= set(eos)
+    rollout = _completions(model, tokenizer, "hf", groups=1, group_size=8, tokens=48)
+    for row in range(rollout.completion_ids.shape[0]):
+        kept = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+        assert not any(t in eos for t in kept[:-1]), f"{name}: a completion runs on past an EOS"
+        assert rollout.truncated[row] == (not kept or kept[-1] not in eos)
+
+
+def test_e_ghost_rows_are_never_sampled_and_count_zero_in_every_log_prob(checkpoint_dirs):
+    """qwen3-tiny's padded rows carry the largest raw logits, yet no engine draws them and both sides give
+    them probability 0."""
+    model, tokenizer = _load(str(checkpoint_dirs("qwen3-tiny")))
+    rows, tokens = model.get_output_embeddings().weight.shape[0], len(tokenizer)
+    assert (rows, tokens) == (151_936, 151_669)
+    prompt = _prompt(tokenizer)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    head = model.lm_head.weight
+    saved = head[tokens:].clone()
+    try:
+        with torch.no_grad():
+            hidden = model.model(**ids).last_hidden_state[0, -1]
+            head[tokens:] = hidden / hidden.norm() * 40  # each padded row's raw logit: 40 x |hidden|
+            raw = torch.nn.functional.linear(hidden, head)
+            masked = model(**ids).logits[0, -1]
+        assert raw[tokens:].min() > raw[:tokens].max() + 20  # unmasked, the padded rows would take ~all the mass
+        assert torch.all(masked[tokens:] == GHOST_LOGIT)
+        assert math.isclose(torch.softmax(masked, -1)[tokens:].sum().item(), 0.0, abs_tol=0.0)
+        for engine in ENGINES:
+            torch.manual_seed(0)
+            rollout = make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
+                [prompt], 256, SamplingParams(max_new_tokens=1, temperature=1.0))
+            assert int(rollout.completion_ids.max()) < tokens, engine
+            if rollout.sampling_logp is not None:  # and the sampler's log-probs renormalise over real ids alone
+                drawn = rollout.completion_ids[:, 0]
+                expected = masked - torch.logsumexp(masked, -1)
+                assert torch.allclose(rollout.sampling_logp[:, 0], expected[drawn], atol=FP32_BOUND)
+    finally:
+        with torch.no_grad():
+            head[tokens:] = saved

@@ -1,0 +1,183 @@
+"""distributed.launcher: ray (pipeline/ray_cluster.py, rollout/transport.py): the rollout workers as Ray
+actors, their traffic over Ray's mailbox and object store. The numbers are the store transport's, bit for
+bit; a worker that dies ends the run in one line, and the resume equals the run never interrupted.
+`make test-ray` runs these (marker ray); without Ray they are skipped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpokit.checks import load_config
+from grpokit.config import ConfigError
+from grpokit.pipeline.ray_cluster import check_placement, worker_bundles
+from grpokit.rollout.transport import SECRET_ENV, StoreTransport, TransportError
+from run_helpers import RUN, cli, start, wait_for_rows
+# async_run: today's transport (the TCP store, a gloo weight group) on the same 6 async steps
+from test_async_rollouts import async_run, comparable, rows, same_weights, sft_checkpoint, weights  # noqa: F401
+from test_async_rollouts import wait_any_wakes_when_a_key_is_set
+
+pytestmark = pytest.mark.ray
+ray = pytest.importorskip("ray")
+
+ASYNC = ["--grpo.max_steps=6", *RUN, "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1"]
+ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.fixture(scope="module")
+def ray_run(sft_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray") / "run"
+    proc = cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", *ASYNC,
+               "--distributed.launcher=ray", env=ENV)
+    assert "rollout worker(s) ready at grpokit-" in proc.stdout
+    return out
+
+
+def test_ray_gives_the_store_transports_metrics_and_weights_bit_for_bit(async_run, ray_run):
+    assert comparable(rows(ray_run)) == comparable(rows(async_run))
+    assert same_weights(weights(ray_run, 6), weights(async_run, 6))
+    assert [r["rollout/staleness_max"] for r in rows(ray_run)] == [0, 1, 2, 2, 2, 2]
+
+
+def _actor_pids(timeout: float = 120.0) -> list[int]:
+    """The pids of the rollout-worker actors' processes (Ray names them after the method they run)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-f", "RolloutWorkerActor"], capture_output=True, text=True).stdout.split()
+        if found:
+            return [int(p) for p in found]
+        time.sleep(0.2)
+    raise AssertionError("no rollout-worker actor started")
+
+
+def test_a_killed_worker_actor_is_one_line_and_the_resume_equals_the_run_never_interrupted(
+        ray_run, sft_checkpoint, tmp_path):
+    run = tmp_path / "killed"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", *ASYNC,
+                 "--distributed.launcher=ray", "--distributed.timeout_s=60")
+    wait_for_rows(run / "metrics.jsonl", 3, proc)
+    for pid in _actor_pids():
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "rollout worker 0 (a Ray actor) died" in line]
+    assert len(lines) == 1 and f"grpokit train {run / 'config.yaml'} --resume" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=ENV)
+    assert comparable(rows(run)) == comparable(rows(ray_run))
+    assert same_weights(weights(run, 6), weights(ray_run, 6))
+
+
+def test_two_simulated_nodes_give_the_same_run(async_run, sft_checkpoint, tmp_path):
+    """A head and a second node (ray.cluster_utils.Cluster): the worker's bundle may land on either."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 200 << 20,
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, object_store_memory=200 << 20)
+    try:
+        cluster.wait_for_nodes()
+        out = tmp_path / "run"
+        cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", *ASYNC,
+            "--distributed.launcher=ray", env=dict(ENV, RAY_ADDRESS=cluster.address))
+        assert comparable(rows(out)) == comparable(rows(async_run))
+        assert same_weights(weights(out, 6), weights(async_run, 6))
+    finally:
+        cluster.shutdown()
+
+
+# ------------------------------------------------------------------------ bad input, before any model
+
+def test_a_placement_the_cluster_cannot_hold_names_what_was_asked_and_what_is_there():
+    config = load_config(None, ["--rollout.workers=3", "--grpo.prompts_per_step=4", "--rollout.worker_threads=2",
+                                "--distributed.launcher=ray"])
+    assert worker_bundles(config) == [{"CPU": 2.0}] * 3
+    with pytest.raises(ConfigError, match=r"^distributed.launcher=ray: the placement asks for 7 CPU \(the trainer 1 "
+                                          r"\+ 3 rollout worker\(s\)\) but the cluster has 2: lower rollout.workers"):
+        check_placement(worker_bundles(config), {"CPU": 2.0}, {"CPU": 1.0})
+    check_placement(worker_bundles(config), {"CPU": 8.0}, {"CPU": 1.0})
+
+
+def test_too_many_workers_for_this_machine_stop_before_any_model_loads(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("train", f"--output_dir={out}", "--rollout.workers=8", "--rollout.mode=one_step_off",
+               "--distributed.launcher=ray", "--rollout.worker_threads=4", expect=2, env=ENV, timeout=300)
+    assert "the placement asks for" in proc.stderr and "but the cluster has" in proc.stderr
+    assert not (out / "checkpoints").exists() and "parameters" not in proc.stdout
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--distributed.launcher=ray"], "distributed.launcher=ray places rollout workers: set rollout.workers"),
+    (["--distributed.launcher=ray", "--rollout.workers=1", "--rollout.worker_launch=external"],
+     "starts the rollout workers itself"),
+])
+def test_ray_settings_that_cannot_work_are_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_without_ray_the_launcher_is_one_line_with_the_install_command(monkeypatch):
+    from grpokit.pipeline import ray_cluster
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ConfigError, match=r"needs Ray, which is not installed: pip install 'grpokit\[ray\]'"):
+        ray_cluster.import_ray()
+
+
+def test_a_store_beyond_loopback_needs_a_shared_secret(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(TransportError, match=rf"listens beyond this machine.*set {SECRET_ENV}"):
+        StoreTransport.host("0.0.0.0:0", 10.0)
+
+
+def test_a_worker_with_another_secret_finds_no_run(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "the-run's-secret")
+    trainer = StoreTransport.host("0.0.0.0:0", 10.0)
+    trainer.set("setup", b"x")
+    port = trainer.address.rpartition(":")[2]
+    monkeypatch.setenv(SECRET_ENV, "another")
+    monkeypatch.setattr("grpokit.rollout.transport.SETUP_WAIT_S", 0.5)
+    with pytest.raises(TransportError, match=f"its {SECRET_ENV} differs from this environment's"):
+        StoreTransport.connect(f"127.0.0.1:{port}", 10.0)
+    monkeypatch.setenv(SECRET_ENV, "the-run's-secret")
+    assert StoreTransport.connect(f"127.0.0.1:{port}", 10.0).get("setup") == b"x"
+    assert not trainer.store.check(["setup"])  # the key lies under the secret's digest, not by its name
+
+
+def test_a_killed_trainer_leaves_no_actor_and_the_resume_equals_the_run_never_interrupted(
+        ray_run, sft_checkpoint, tmp_path):
+    """The trainer is the Ray driver: SIGKILLed after step 3 (checkpoint step-2, batches 3 and 4 in flight),
+    its cluster and actors go with it, and `--resume` ends where the uninterrupted run did, bit for bit."""
+    run = tmp_path / "killed"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", *ASYNC,
+                 "--distributed.launcher=ray")
+    _actor_pids()
+    wait_for_rows(run / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pgrep", "-f", "RolloutWorkerActor"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a rollout-worker actor outlived its trainer"
+        time.sleep(0.5)
+    cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=ENV)
+    assert comparable(rows(run)) == comparable(rows(ray_run))
+    assert same_weights(weights(run, 6), weights(ray_run, 6))
+
+
+def test_the_ray_mailboxs_wait_any_blocks_in_the_actor_and_wakes_when_a_key_is_set():
+    """The mailbox blocks a wait in the actor: a waiting worker makes one Ray call per wake-up, not one
+    per few milliseconds (docs/results/async.md, Ray's overhead)."""
+    from grpokit.rollout.transport import RayTransport
+
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20, ignore_reinit_error=True)
+    try:
+        trainer = RayTransport.host("grpokit-wait-test")
+        wait_any_wakes_when_a_key_is_set(trainer, RayTransport.connect("grpokit-wait-test"))
+    finally:
+        ray.shutdown()
