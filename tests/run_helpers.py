@@ -25,9 +25,9 @@ def cli(*args, check=True, expect=0, cwd=None, env=None, timeout=600) -> subproc
     return proc
 
 
-def start(*args):
+def start(*args, env=None):
     return subprocess.Popen([sys.executable, "-m", "grpokit.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_for_rows(metrics, n, proc, timeout=300):

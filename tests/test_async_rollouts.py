@@ -218,14 +218,19 @@ def test_a_sharded_trainer_of_two_ranks_learns_what_one_rank_does_from_one_worke
                            str(port), "-m", "grpokit", "train", f"--output_dir={tmp_path / 'two'}", *common],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, rank_failure(proc.stderr)
-    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert_learns_what_one_rank_does(tmp_path / "two", tmp_path / "one")
+
+
+def assert_learns_what_one_rank_does(sharded_run, one_rank_run, steps: int = 4) -> None:
+    """The metrics of a run of several trainer ranks, and its final weights, against one rank's run of the
+    same config: within the sync torchrun test's fp32 tolerance (tests/test_distributed.py)."""
     keys = ("reward/mean", "loss", "kl", "rollout/staleness_max", "rollout/push_bytes")
-    for a, b in zip(one, two, strict=True):
+    for a, b in zip(rows(one_rank_run), rows(sharded_run), strict=True):
         assert {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-5, abs=1e-7)
-    first, last = weights(tmp_path / "one", 2), weights(tmp_path / "one", 4)
-    # steps 3 and 4 moved the weights 20 times the tolerance or more: the comparison below means something
+    first, last = weights(one_rank_run, steps // 2), weights(one_rank_run, steps)
+    # the last half of the steps moved the weights 20 times the tolerance or more: the comparison means something
     assert max(float((last[k] - first[k]).abs().max()) for k in last) > 20 * 1e-5
-    sharded = weights(tmp_path / "two", 4)
+    sharded = weights(sharded_run, steps)
     for k in last:
         torch.testing.assert_close(sharded[k], last[k], rtol=0, atol=1e-5)
 

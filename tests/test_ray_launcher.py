@@ -21,13 +21,16 @@ from grpokit.rollout.transport import SECRET_ENV, StoreTransport, TransportError
 from run_helpers import RUN, cli, start, wait_for_rows
 # async_run: today's transport (the TCP store, a gloo weight group) on the same 6 async steps
 from test_async_rollouts import async_run, comparable, rows, same_weights, sft_checkpoint, weights  # noqa: F401
-from test_async_rollouts import wait_any_wakes_when_a_key_is_set
+from test_async_rollouts import assert_learns_what_one_rank_does, wait_any_wakes_when_a_key_is_set
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 ASYNC = ["--grpo.max_steps=6", *RUN, "--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1"]
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+# one_step_off with one worker, as the torchrun sharded test runs it (tests/test_async_rollouts.py)
+ONE_STEP_OFF = ["--grpo.max_steps=4", *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1", "--model.dtype=fp32"]
+RANKS = ["--distributed.launcher=ray", "--distributed.ranks=2"]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +184,78 @@ def test_the_ray_mailboxs_wait_any_blocks_in_the_actor_and_wakes_when_a_key_is_s
         wait_any_wakes_when_a_key_is_set(trainer, RayTransport.connect("grpokit-wait-test"))
     finally:
         ray.shutdown()
+
+
+# ------------------------------------------------------------ the trainer's ranks as Ray actors
+
+def test_torchruns_environment_for_each_rank_counts_local_ranks_per_machine():
+    from grpokit.pipeline.ray_trainers import rank_environments
+
+    envs = rank_environments(["a", "a", "b"], "10.0.0.1", 29500, gpu=False)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"), ("1", "1", "2"), ("2", "0", "1")]
+    assert {(e["WORLD_SIZE"], e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_USE_AGENT_STORE"]) for e in envs} == {
+        ("3", "10.0.0.1", "29500", "True")}
+    # on GPUs each actor sees only its own device
+    assert [e["LOCAL_RANK"] for e in rank_environments(["a", "a"], "h", 1, gpu=True)] == ["0", "0"]
+
+
+def test_ranks_without_the_ray_launcher_are_a_config_error_naming_torchrun():
+    with pytest.raises(ConfigError, match=r"distributed.ranks=2 asks Ray to start the trainer's processes: set "
+                                          r"distributed.launcher=ray, or .* torchrun --nproc_per_node=2"):
+        load_config(None, ["--distributed.ranks=2"])
+
+
+@pytest.fixture(scope="module")
+def four_cpus():
+    """A cluster of 4 logical CPUs on this machine: 2 trainer ranks and 1 rollout worker fit in it."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "object_store_memory": 200 << 20,
+                                                            "include_dashboard": False})
+    yield dict(ENV, RAY_ADDRESS=cluster.address)
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_ranks_on_ray(sft_checkpoint, tmp_path_factory, four_cpus):
+    out = tmp_path_factory.mktemp("ranks") / "run"
+    proc = cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", *ONE_STEP_OFF, *RANKS,
+               env=four_cpus)
+    assert "2 trainer ranks started as Ray actors on 1 machine(s)" in proc.stderr
+    return out
+
+
+def test_two_trainer_ranks_as_ray_actors_learn_what_one_rank_does(two_ranks_on_ray, sft_checkpoint, tmp_path):
+    """The torchrun sharded test's comparison, with Ray starting both FSDP2 ranks and the worker."""
+    one = tmp_path / "one"
+    cli("train", f"--output_dir={one}", f"--model.name_or_path={sft_checkpoint}", *ONE_STEP_OFF,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert_learns_what_one_rank_does(two_ranks_on_ray, one)
+
+
+def test_a_killed_trainer_rank_actor_is_one_line_and_the_resume_equals_the_run_never_interrupted(
+        two_ranks_on_ray, sft_checkpoint, tmp_path, four_cpus):
+    run = tmp_path / "killed"
+    proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", *ONE_STEP_OFF, *RANKS,
+                 env=four_cpus)
+    wait_for_rows(run / "metrics.jsonl", 2, proc)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step-2").is_dir():  # renamed into place once whole (run/checkpoint.py)
+        assert time.monotonic() < deadline and proc.poll() is None, "no step-2 checkpoint"
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", "TrainerRankActor"], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "(a Ray actor) died" in line]
+    assert len(lines) == 1 and "trainer rank " in lines[0], err[-3000:]
+    assert f"resume with: grpokit train {run / 'config.yaml'} --resume" in lines[0]
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pgrep", "-f", "TrainerRankActor"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a trainer rank's actor outlived the run"
+        time.sleep(0.5)
+    cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=four_cpus)
+    assert comparable(rows(run)) == comparable(rows(two_ranks_on_ray))
+    assert same_weights(weights(run, 4), weights(two_ranks_on_ray, 4))

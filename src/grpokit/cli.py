@@ -4,6 +4,7 @@ override, --key=value or --key value; every subcommand spells its shared options
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
@@ -209,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         from grpokit.eval.command import main as eval_main  # see the imports at the top
 
         return eval_main(argv[1:])
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own bars show training; not per-shard file I/O
+    quiet_library_progress()
     argv = join_override_values(argv)
     own = own_options(parser)
     # Config overrides bypass argparse, which would take a value with spaces for the CONFIG path.
@@ -233,7 +232,40 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config([str(DEMO_PRESET), str(DEMO_REWARD_MODEL_PRESET), *user_files], overrides)
         check_model_config(config)
         choose_run_dir(args, config)
-        return _run(args, config)
+    except ConfigError as err:
+        print(f"grpokit: config error: {err}", file=sys.stderr)
+        return 2
+    if config.distributed.launcher == "ray" and config.distributed.ranks > 1 and not distributed.launched():
+        from grpokit.pipeline import ray_trainers  # see the imports at the top
+
+        return _reporting_errors(lambda: ray_trainers.run(config, functools.partial(_run_as_ray_rank, args, config)))
+    return run_loaded(args, config)
+
+
+def _run_as_ray_rank(args, config) -> int:
+    """The command in a trainer rank's Ray actor (pipeline/ray_trainers.py), set up as main sets up this process."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_dependency_warnings()
+    quiet_library_progress()
+    return run_loaded(args, config)
+
+
+def quiet_library_progress() -> None:
+    """Our own bars show training; not transformers' per-shard file I/O."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def run_loaded(args, config) -> int:
+    """Run the command of a loaded config: its exit code, with the errors a user can act on reported in one
+    line (a trainer rank that Ray started runs this too, pipeline/ray_trainers.py)."""
+    return _reporting_errors(lambda: _run(args, config))
+
+
+def _reporting_errors(run) -> int:
+    try:
+        return run()
     except ConfigError as err:
         print(f"grpokit: config error: {err}", file=sys.stderr)
         return 2
@@ -276,6 +308,9 @@ def _run(args, config) -> int:
     if distributed.env_world_size() > 1 and args.command not in ("train", "sft"):
         raise ConfigError(f"`grpokit {args.command}` runs in one process; under torchrun `grpokit train` and "
                           "`grpokit sft` are data parallel")
+    if config.distributed.ranks > 1 and distributed.launched() and not distributed.started_by_ray():
+        raise ConfigError(f"distributed.ranks={config.distributed.ranks} is the number of trainer processes Ray starts; "
+                          "under torchrun, --nproc_per_node sets it: leave distributed.ranks at 1")
     distributed.report_crashes()
     distributed.init(config.distributed.timeout_s)
     distributed.main_only_stdout()

@@ -28,6 +28,9 @@ from grpokit.seeds import derive_seed
 DEFAULT_TIMEOUT_S = 600.0
 
 
+RAY_TRAINER_RANK_ENV = "GRPOKIT_RAY_TRAINER_RANK"  # set in the trainer's rank actors that Ray starts
+
+
 class PeerFailure(RuntimeError):
     """A collective failed or timed out: another process died or stopped answering."""
 
@@ -56,6 +59,11 @@ def is_initialized() -> bool:
 def launched() -> bool:
     """Whether a launcher (torchrun) set up a process group to join."""
     return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def started_by_ray() -> bool:
+    """Whether Ray started this process as one of the trainer's ranks (pipeline/ray_trainers.py)."""
+    return os.environ.get(RAY_TRAINER_RANK_ENV) == "1"
 
 
 def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

@@ -138,10 +138,18 @@ class DistributedConfig:
                     "processes this trainer spawns (or `grpokit rollout-worker`s) over its TCP store; ray = Ray "
                     "actors in a placement group, over Ray's object store (pip install 'grpokit[ray]'; "
                     "docs/guides/ray.md)")
+    ranks: int = opt(
+        1, "with launcher=ray: the trainer's processes, each a Ray actor in one placement group (data parallel, "
+           "FSDP2 from 2 on; torchrun's --nproc_per_node). 1 = this process trains")
 
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
-        return failed(_bounds(self, "distributed", positive=("timeout_s",)))
+        return failed([
+            *_bounds(self, "distributed", positive=("timeout_s",), counts=("ranks",)),
+            (self.ranks == 1 or self.launcher == "ray",
+             f"distributed.ranks={self.ranks} asks Ray to start the trainer's processes: set distributed.launcher=ray, "
+             f"or leave distributed.ranks at 1 and start the processes with torchrun --nproc_per_node={self.ranks}"),
+        ])
 
 
 @dataclass

@@ -17,6 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from grpokit import distributed
 from grpokit.errors import ConfigError
 from grpokit.pipeline.rollout_worker import RayWorkers
 from grpokit.rollout.transport import RayTransport
@@ -43,6 +44,11 @@ def worker_bundles(config) -> list[dict]:
             for _ in range(r.workers)]
 
 
+def trainer_bundle(config) -> dict:
+    """The share of the cluster one trainer process holds."""
+    return {"GPU": 1.0, "CPU": 1.0} if config.model.device.startswith("cuda") else {"CPU": 1.0}
+
+
 def check_placement(bundles: list[dict], available: dict, trainer: dict) -> None:
     """The bundles, beside the trainer's own share, fit what the cluster has: else a ConfigError naming
     what was asked and what is there (before any model loads)."""
@@ -59,23 +65,24 @@ def check_placement(bundles: list[dict], available: dict, trainer: dict) -> None
                           f"rollout.worker_threads, or add machines to the cluster (`ray start --address=...`)")
 
 
-def connect(config) -> None:
-    """Join the cluster this machine belongs to, or start a private one sized to this machine."""
+def connect(config, log_to_driver: bool = False) -> None:
+    """Join the cluster this machine belongs to, or start a private one sized to this machine.
+    log_to_driver: actors' output is printed here (the trainer's ranks run in actors)."""
     ray = import_ray()
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = dict(logging_level="ERROR", log_to_driver=log_to_driver)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
         return
     if _running_cluster():
         try:
-            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+            ray.init(address="auto", **quiet)
             return
         except ConnectionError:  # the address file of a cluster that is gone: start one of our own
             pass
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, **quiet)
 
 
 def _running_cluster() -> bool:
@@ -93,8 +100,8 @@ class RayLaunch:
         connect(config)
         self._remove = remove_placement_group
         bundles = worker_bundles(config)
-        gpu = config.model.device.startswith("cuda")
-        check_placement(bundles, ray.available_resources(), {"GPU": 1.0} if gpu else {"CPU": 1.0})
+        # the trainer's ranks as actors (pipeline/ray_trainers.py) hold their own placement already
+        check_placement(bundles, ray.available_resources(), {} if distributed.started_by_ray() else trainer_bundle(config))
         self.group = placement_group(bundles, strategy="PACK")
         if not self.group.wait(timeout_seconds=config.rollout.worker_start_timeout_s):
             remove_placement_group(self.group)
