@@ -9,7 +9,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test docs test-slow models test-real test-conformance test-ray test-all test-oldest test-vllm test-vllm-slow test-vllm-real constraints gpu-wheels clean
+.PHONY: demo test docs test-slow models test-real test-conformance test-ray test-all test-oldest test-vllm test-vllm-slow test-vllm-long test-vllm-real constraints gpu-wheels clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,7 @@ docs: $(DOCS_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 test-slow: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "slow and not long"
 
 # A real checkpoint and real tokenizers under models/ (git ignores it; scripts/fetch_models.py):
 # SmolLM2-135M-Instruct as a plain Hugging Face folder, Qwen3's and DeepSeek V4's tokenizers.
@@ -126,7 +126,11 @@ test-vllm-real: $(VLLM_STAMP) models
 
 # The full demo with rollout.engine=vllm (+15 points at seed 0); about 5 minutes on 2 CPU cores.
 test-vllm-slow: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and slow and not real"
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and slow and not real and not long"
+
+# By hand, not in CI: the demo's RL stage on two vLLM engines under torchrun (150 steps, marker long).
+test-vllm-long: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and long"
 
 # Wheels of grpokit's dependencies that the GPU machine lacks (pydantic, math-verify and theirs),
 # for its Python 3.12 on manylinux x86-64, in .whl/ (git ignores it): carried there and installed

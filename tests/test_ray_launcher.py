@@ -211,10 +211,20 @@ def four_cpus():
     """A cluster of 4 logical CPUs on this machine: 2 trainer ranks and 1 rollout worker fit in it."""
     from ray.cluster_utils import Cluster
 
+    # Token authentication, explicitly off on both sides: left unset, each side decides from whether an
+    # earlier private cluster left a token file, and this process may already have decided otherwise.
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "object_store_memory": 200 << 20,
                                                             "include_dashboard": False})
-    yield dict(ENV, RAY_ADDRESS=cluster.address)
-    cluster.shutdown()
+    try:
+        yield dict(ENV, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="disabled")
+    finally:
+        cluster.shutdown()
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,7 @@ def test_one_step_with_an_engine_per_process_gives_the_weights_of_one_process(tm
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 150 steps of two vLLM engines on 2 cores; CI keeps the one-step check above
 @pytest.mark.timeout(1800)
 def test_two_engines_train_the_demo_rl_stage(tmp_path, vllm_demo):
     """`torchrun --nproc_per_node=2 -m grpokit train --rollout.engine=vllm` from the vLLM demo's pi_SFT:
