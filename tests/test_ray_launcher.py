@@ -164,13 +164,18 @@ def test_a_killed_trainer_leaves_no_actor_and_the_resume_equals_the_run_never_in
     wait_for_rows(run / "metrics.jsonl", 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 60
-    while subprocess.run(["pgrep", "-f", "RolloutWorkerActor"], capture_output=True).returncode == 0:
-        assert time.monotonic() < deadline, "a rollout-worker actor outlived its trainer"
-        time.sleep(0.5)
+    wait_until_gone("RolloutWorkerActor", "a rollout-worker actor outlived its trainer")
     cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=ENV)
     assert comparable(rows(run)) == comparable(rows(ray_run))
     assert same_weights(weights(run, 6), weights(ray_run, 6))
+
+
+def wait_until_gone(process_name: str, failure: str, timeout: float = 60.0) -> None:
+    """Block until no process's command line holds `process_name` (Ray names actors' processes after them)."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["pgrep", "-f", process_name], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.5)
 
 
 def test_the_ray_mailboxs_wait_any_blocks_in_the_actor_and_wakes_when_a_key_is_set():
@@ -262,10 +267,7 @@ def test_a_killed_trainer_rank_actor_is_one_line_and_the_resume_equals_the_run_n
     lines = [line for line in err.splitlines() if "(a Ray actor) died" in line]
     assert len(lines) == 1 and "trainer rank " in lines[0], err[-3000:]
     assert f"resume with: grpokit train {run / 'config.yaml'} --resume" in lines[0]
-    deadline = time.monotonic() + 60
-    while subprocess.run(["pgrep", "-f", "TrainerRankActor"], capture_output=True).returncode == 0:
-        assert time.monotonic() < deadline, "a trainer rank's actor outlived the run"
-        time.sleep(0.5)
+    wait_until_gone("TrainerRankActor", "a trainer rank's actor outlived the run")
     cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=four_cpus)
     assert comparable(rows(run)) == comparable(rows(two_ranks_on_ray))
     assert same_weights(weights(run, 4), weights(two_ranks_on_ray, 4))
