@@ -226,20 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"--data.sources=[{{path: {args.data!r}}}]")
     user_files = [args.config] if args.config else []
     files = [str(DEMO_PRESET), *user_files] if args.command == "demo" else user_files
-    try:
+
+    def load_and_run() -> int:
         config = load_config(files, overrides)  # fails here, before any model loads
         if args.command == "demo" and config.reward_model.kind != "none":  # a layer under the user's own
             config = load_config([str(DEMO_PRESET), str(DEMO_REWARD_MODEL_PRESET), *user_files], overrides)
         check_model_config(config)
         choose_run_dir(args, config)
-    except ConfigError as err:
-        print(f"grpokit: config error: {err}", file=sys.stderr)
-        return 2
-    if config.distributed.launcher == "ray" and config.distributed.ranks > 1 and not distributed.launched():
-        from grpokit.pipeline import ray_trainers  # see the imports at the top
+        if config.distributed.launcher == "ray" and config.distributed.ranks > 1 and not distributed.launched():
+            from grpokit.pipeline import ray_trainers  # see the imports at the top
 
-        return _reporting_errors(lambda: ray_trainers.run(config, functools.partial(_run_as_ray_rank, args, config)))
-    return run_loaded(args, config)
+            return ray_trainers.run(config, functools.partial(_run_as_ray_rank, args, config))
+        return _run(args, config)
+
+    return _reporting_errors(load_and_run)
 
 
 def _run_as_ray_rank(args, config) -> int:
