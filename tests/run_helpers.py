@@ -1,6 +1,7 @@
 """Running grpokit as a user does, in subprocesses: the command line, a run stopped mid-way, and
 the brief pi_SFT that the resume and rollout-worker tests start RL from; and the sampling tests' bound."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,29 @@ def cli(*args, check=True, expect=0, cwd=None, env=None, timeout=600) -> subproc
         if expect:
             assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_then_leave(rank, worker, *args) -> None:
+    from grpokit import distributed
+
+    worker(rank, *args)
+    distributed.leave(0)
+
+
+def spawn_ranks(worker, world: int, *args) -> None:
+    """worker(rank, world, port, *args) in `world` spawned processes on a free loopback port. Each ends
+    as a launched grpokit process does (distributed.leave), not through the interpreter's finalization,
+    where a gloo thread can drop a tensor after the interpreter is gone and abort a finished process
+    ("terminate called without an active exception")."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_then_leave, args=(worker, world, free_port(), *args), nprocs=world, join=True)
 
 
 def start(*args, env=None):

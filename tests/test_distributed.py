@@ -8,13 +8,11 @@ on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from grpokit import distributed
 from grpokit.run.checkpoint import saved_world_size
@@ -27,6 +25,7 @@ from grpokit.rewards import WeightedReward
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.models.reference import frozen_copy
 from grpokit.train.grpo import GRPOTrainer
+from run_helpers import free_port, spawn_ranks
 
 AGGREGATIONS = ("sequence", "token", "constant")
 G, PROMPTS, WORLD = 4, 4, 2
@@ -152,12 +151,6 @@ def _equivalence_worker(rank: int, world: int, port: int, batch, out_dir: str) -
         distributed.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_path):
     batch = fixed_batch()
     _, rollout, _, valid = batch
@@ -165,7 +158,7 @@ def test_one_step_on_two_fsdp2_processes_gives_the_weights_of_one_process(tmp_pa
     assert len(set(lengths.tolist())) > 2, "the batch needs uneven completion lengths"
     assert not valid[FAILED_ROW]
 
-    mp.spawn(_equivalence_worker, args=(WORLD, free_port(), batch, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_equivalence_worker, WORLD, batch, str(tmp_path))
 
     for aggregation, lora, dtype in CASES:
         single = one_step(*batch, aggregation, lora, rank=0, world=1, shard=False, micro_batch_size=64,
@@ -250,7 +243,7 @@ def test_generate_on_fsdp2_gathers_each_unit_once_per_call_not_per_token(tmp_pat
     """HF generate on a sharded policy all-gathers every FSDP2 unit once for the whole call (12
     decoded tokens), not once per token; the processes decode their own prompts, as many as they
     have, without stepping together; and the completions are the unsharded model's."""
-    mp.spawn(_generation_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_generation_worker, WORLD, str(tmp_path))
     tokenizer = build_char_tokenizer(arithmetic.ALPHABET)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"generate{rank}.pt")
@@ -351,7 +344,7 @@ def test_a_sharded_policy_reaches_the_engine_one_whole_parameter_at_a_time(tmp_p
     tensor gathered on its device, LoRA layers merged from their gathered W, A and B) and equal to the
     unsharded policy's; the previous one is freed before the next is gathered; the whole state dict is
     never gathered."""
-    mp.spawn(_push_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_push_worker, WORLD, str(tmp_path))
     for rank in range(WORLD):
         for setup, result in torch.load(tmp_path / f"push{rank}.pt").items():
             print(f"rank {rank} {setup}: {len(result['pushed'])} weights, largest difference {result['worst']:.2e}")

@@ -25,6 +25,7 @@ from grpokit.rollout import Continuation, HFEngine, SamplingParams, ToolEngine, 
 from grpokit.rollout.multi_turn import round_seeds
 from grpokit.rollout.hf_static import StaticCacheDecoder, StaticCacheEngine
 from grpokit.tools import ToolOutput, make_tool, register_tool
+from run_helpers import spawn_ranks
 from grpokit.tools.python import PythonTool
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.ppo import shaped_token_rewards
@@ -571,14 +572,7 @@ def test_tool_rollouts_on_two_sharded_processes_step_together_and_match_one_proc
     """Under torchrun a sharded policy's generation is a collective: a process whose completions
     have all ended keeps joining the others' rounds (with no contexts) until theirs end too, and
     each process's completions are the ones it samples alone."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_lockstep_worker, args=(2, port, tool_model.state_dict(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_lockstep_worker, 2, tool_model.state_dict(), str(tmp_path))
     first, second = (torch.load(tmp_path / f"rollout{rank}.pt") for rank in (0, 1))
     assert first == {"completions": [PROGRAM[1]], "tool_calls": [1]}  # round 2 writes the answer
     assert second["tool_calls"] == [0] and second["completions"] == [CALCULATION[1]]  # done in round 1
