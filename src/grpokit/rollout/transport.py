@@ -26,14 +26,12 @@ from typing import Protocol
 
 import torch
 
-from grpokit.rollout.weight_channel import STOP, WeightChannel
+from grpokit.rollout.weight_channel import BUCKET_BYTES, STOP, WeightChannel, buckets
 
 SECRET_ENV = "GRPOKIT_WORKER_SECRET"
 SETUP_WAIT_S = 30.0  # how long a worker that reached the store waits for the run's setup key
 POLL_S = 0.005  # how often a wait on the TCP store looks again (a check costs it microseconds)
 WAIT_WINDOW_S = 0.5  # the longest one wait_any blocks before its caller looks at anything else
-# Ray objects a weight push is cut into: a worker fetches the next while it copies one in
-WEIGHT_BUCKET_BYTES = 64 << 20
 
 
 class TransportError(RuntimeError):
@@ -252,8 +250,8 @@ class RayTransport:
 
 
 class RayWeights:
-    """WeightChannel's interface over the object store: a push puts the tensors in buckets of about
-    WEIGHT_BUCKET_BYTES and posts their references under weights/<n>; each worker reads pushes in
+    """WeightChannel's interface over the object store: a push puts the tensors in WeightChannel's buckets
+    (one Ray object each: a worker fetches the next while it copies one in) and posts their references under weights/<n>; each worker reads pushes in
     order. A push's buckets are dropped once every worker has read it (acknowledged under weights/<n>/read)."""
 
     POLL_S = 0.005
@@ -269,18 +267,13 @@ class RayWeights:
 
     # the trainer's side
     def push(self, version: int, tensors: Iterable[torch.Tensor], dtypes: list[torch.dtype], count: int) -> int:
-        ray, buckets, bucket, size, sent = self.transport.ray, [], [], 0, 0
-        for tensor, dtype in zip(tensors, dtypes, strict=True):
-            tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-            bucket.append(tensor)
-            size += tensor.numel() * tensor.element_size()
-            sent += tensor.numel() * tensor.element_size()
-            if size >= WEIGHT_BUCKET_BYTES:
-                buckets.append(ray.put(bucket))
-                bucket, size = [], 0
-        if bucket:
-            buckets.append(ray.put(bucket))
-        self._post(version, count, buckets)
+        cast = (tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+                for tensor, dtype in zip(tensors, dtypes, strict=True))
+        refs, sent = [], 0
+        for group in buckets(cast, BUCKET_BYTES):
+            refs.append(self.transport.ray.put(group))
+            sent += sum(t.numel() * t.element_size() for t in group)
+        self._post(version, count, refs)
         return sent
 
     def _post(self, version: int, count: int, buckets: list) -> None:
