@@ -243,6 +243,53 @@ def test_dead_worker_is_replaced_and_the_job_retried():
         pool.close()
 
 
+_KILLED_OWNER = """
+import os, signal, sys, time
+from grpokit.rewards.verify_pool import VerifierPool
+pool = VerifierPool(workers=1)
+assert pool.run([("1", ["1.0"])]) == ["yes"]
+holder = os.fork()
+if holder == 0:  # a forked child (as a data loader would be) keeps the worker's stdin pipe open
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # but not the test's pipes: the test reads them to their end
+    os.dup2(devnull, 2)
+    time.sleep(120)
+    os._exit(0)
+print(pool._workers[0].proc.pid, holder, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) is gone too
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_worker_ends_when_the_pools_process_is_killed_though_a_fork_holds_its_stdin():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _KILLED_OWNER], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    worker, holder = map(int, proc.stdout.split())
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the math-verify worker outlived the process that owned its pool"
+        assert _alive(holder)  # the pipe was still open: the worker did not end from end-of-file
+    finally:
+        for pid in (holder, worker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_math_accuracy_from_a_worker_thread():
     out = {}
 

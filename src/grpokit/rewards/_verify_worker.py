@@ -20,6 +20,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from functools import lru_cache
 
 
@@ -86,6 +88,7 @@ def main() -> None:
     def send(message: dict) -> None:
         channel.write(json.dumps(message) + "\n")
 
+    _exit_with_parent(os.getppid())
     _limit_memory(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     if len(sys.argv) > 2 and sys.argv[2] not in sys.path:
         sys.path.append(sys.argv[2])  # last: it must not shadow the standard library
@@ -104,6 +107,19 @@ def main() -> None:
             send({"verdict": "error", "detail": f"bad job: {err}"})
             continue
         send(_run_job(judge, job))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End when the pool's process is gone. Its death does not always close our stdin: a process it
+    forked (a data loader, a spawned rollout worker) can hold the pipe's other end open. Being
+    reparented (getppid changes) tells us anyway; checked each second in a thread of its own."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
