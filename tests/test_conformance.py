@@ -58,7 +58,7 @@ PLAIN_PROMPT = "The three primary colours are red, yellow and"
 # max 0.320 and mean 0.031 on SmolLM2, max 0.332 and mean 0.021 on Gemma-3-270M. A decode step's bf16 KV
 # cache and one full forward round differently, and bf16's 8-bit mantissa on logits of 20-30 is steps of
 # 0.06-0.125, divided by T. Bounds: about 1.5x what was measured.
-FP32_BOUND, BF16_BOUND, BF16_MEAN_BOUND = 1e-4, 0.5, 0.05
+FP32_BOUND, BF16_MEAN_BOUND = 1e-4, 0.05
 
 
 def _need(path: Path) -> None:
@@ -246,15 +246,29 @@ def test_b_pi_old_equals_the_samplers_log_probs_fp32(checkpoint, engine):
 
 @pytest.mark.parametrize("name", ["smollm2-qwen-defaults", "gemma-3-270m"])
 def test_b_pi_old_equals_the_samplers_log_probs_bf16(name, checkpoint_dirs):
-    """The same in bf16 on the real checkpoints, within BF16_BOUND (its measurement is at the constant)."""
-    model, tokenizer = _load(str(checkpoint_dirs(name)), "bf16")
+    """In bf16 on the real checkpoints the sampler's reported log-probs are as close to the exact ones (the
+    fp32 model's, at the run's temperature, of the same tokens) as the trainer's own bf16 pi_old is, and
+    the two agree within BF16_MEAN_BOUND on average. How far either lies from exact depends on the
+    processor's bf16 kernels (max 0.61 on SmolLM2 where bf16 is emulated, AVX2), so the bound is relative
+    to the trainer's own error; a sampler off the run's distribution (another temperature, a top-k) is off
+    on every token, far beyond it."""
+    folder = str(checkpoint_dirs(name))
+    model, tokenizer = _load(folder, "bf16")
+    exact_model, _ = _load(folder)
     rollout = _completions(model, tokenizer, "hf_static")
     mask = rollout.completion_mask.bool()
-    gap = (_pi_old(model, rollout) - rollout.sampling_logp)[mask].abs()
-    diff, mean = gap.max().item(), gap.mean().item()
-    print(f"{name}: bf16 |pi_old - sampler| max {diff:.4f}, mean {mean:.4f} over {int(mask.sum())} tokens")
-    assert diff <= BF16_BOUND, f"{name}: pi_old and the sampler differ by {diff:.3f} in bf16"
-    assert mean <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {mean:.4f} on average in bf16"
+    pi_old, sampler, exact = _pi_old(model, rollout), rollout.sampling_logp.float(), _pi_old(exact_model, rollout)
+    gap = (pi_old - sampler)[mask].abs()
+    sampler_error, trainer_error = (sampler - exact)[mask].abs(), (pi_old - exact)[mask].abs()
+    print(f"{name}: bf16 |pi_old - sampler| max {gap.max():.4f}, mean {gap.mean():.4f} over {int(mask.sum())} "
+          f"tokens; from exact: sampler max {sampler_error.max():.4f} mean {sampler_error.mean():.4f}, pi_old max "
+          f"{trainer_error.max():.4f} mean {trainer_error.mean():.4f}")
+    assert sampler_error.max() <= 1.25 * trainer_error.max() + 0.02, \
+        f"{name}: the sampler's bf16 log-probs are {sampler_error.max():.3f} from exact, pi_old's {trainer_error.max():.3f}"
+    assert sampler_error.mean() <= 1.25 * trainer_error.mean() + 0.005, \
+        f"{name}: the sampler's bf16 log-probs are {sampler_error.mean():.4f} from exact on average, pi_old's " \
+        f"{trainer_error.mean():.4f}"
+    assert gap.mean() <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {gap.mean():.4f} on average in bf16"
 
 
 def test_c_packed_log_probs_and_gradients_equal_padded(checkpoint):

@@ -270,3 +270,25 @@ def test_a_killed_trainer_rank_actor_is_one_line_and_the_resume_equals_the_run_n
     cli("train", str(run / "config.yaml"), "--resume", "--quiet", env=four_cpus)
     assert comparable(rows(run)) == comparable(rows(two_ranks_on_ray))
     assert same_weights(weights(run, 4), weights(two_ranks_on_ray, 4))
+
+
+def test_two_trainer_ranks_on_two_simulated_machines_train_as_on_one(two_ranks_on_ray, sft_checkpoint, tmp_path):
+    """Three nodes of one CPU (ray.cluster_utils.Cluster): the trainer's two ranks cannot share a machine,
+    so each is local rank 0 of its own and they meet at rank 0's store across nodes; the worker takes the
+    third. The run is the one whose ranks shared a machine, bit for bit."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 200 << 20,
+                                                            "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, object_store_memory=200 << 20)
+        cluster.wait_for_nodes()
+        out = tmp_path / "run"
+        proc = cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", *ONE_STEP_OFF, *RANKS,
+                   env=dict(ENV, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="disabled"))
+        assert "2 trainer ranks started as Ray actors on 2 machine(s)" in proc.stderr, proc.stderr[-3000:]
+        assert comparable(rows(out)) == comparable(rows(two_ranks_on_ray))
+        assert same_weights(weights(out, 4), weights(two_ranks_on_ray, 4))
+    finally:
+        cluster.shutdown()
