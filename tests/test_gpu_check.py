@@ -206,8 +206,10 @@ def test_dry_run_on_cpu_passes_every_step(tmp_path):
     steps = summary["steps"]
     assert list(steps) == list(gpu_check.STEPS) and summary["passed"] is True
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "summary.json"]  # all OUT brings back
+    # flash_attention_2 needs CUDA: on the CPU the packing step says so and skips; every other step passes
+    assert steps["packing"]["status"] == "SKIP" and steps["packing"]["line"].startswith("no CUDA device"), steps["packing"]
     for name, step in steps.items():
-        assert step["status"] == "PASS", (name, step)
+        assert name == "packing" or step["status"] == "PASS", (name, step)
     assert steps["setup"]["python"] == sys.version.split()[0] and "hf_static" in steps["setup"]["engines"]
     tiny = gpu_check.PROFILES["tiny"]
     policy = steps["generate"]["policy"]
