@@ -9,7 +9,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test docs test-slow models test-real test-conformance test-ray test-all test-oldest test-vllm test-vllm-slow test-vllm-long test-vllm-real constraints gpu-wheels clean
+.PHONY: demo test docs test-slow test-long models test-real test-conformance test-ray test-all test-oldest test-vllm test-vllm-slow test-vllm-long test-vllm-real constraints gpu-wheels clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ docs: $(DOCS_STAMP)
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m "slow and not long"
+
+# By hand, not in CI: demo-scale runs too long for its 90 minutes (marker long): the demo's one_step_off and
+# torchrun RL stages SIGKILLed at step 70 and resumed, against the straight runs. CI checks the same
+# exactness on short runs (make test, make test-slow).
+test-long: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m "long and not vllm"
 
 # A real checkpoint and real tokenizers under models/ (git ignores it; scripts/fetch_models.py):
 # SmolLM2-135M-Instruct as a plain Hugging Face folder, Qwen3's and DeepSeek V4's tokenizers.

@@ -480,27 +480,42 @@ def sigkill_after(args: list[str], metrics, rows_before_kill: int) -> None:
     assert gone(pids)
 
 
+ONE_STEP_OFF_DEMO = ["--grpo.save_steps=50", "--quiet", "--rollout.mode=one_step_off", "--rollout.workers=1"]
+
+
+@pytest.fixture(scope="module")
+def one_step_off_demo(seed0_demo, tmp_path_factory):
+    """The demo's RL stage from the seed-0 demo's pi_SFT with rollout.mode=one_step_off and one worker."""
+    first = tmp_path_factory.mktemp("one-step-off") / "first"
+    cli("train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", *ONE_STEP_OFF_DEMO,
+        f"--output_dir={first}", timeout=1800)
+    return first
+
+
 @pytest.mark.slow
-def test_one_step_off_on_the_demo_learns_repeats_exactly_and_resumes_exactly_after_sigkill(tmp_path, seed0_demo):
-    """The demo's RL stage from the seed-0 demo's pi_SFT with rollout.mode=one_step_off and one worker:
-    +15 points or more. A second run with the same seed, SIGKILLed after step 70 (checkpoint step-50) and
-    resumed, writes the same metrics rows (timings aside) and weights: its steps 1-70 repeat the first
-    run's from scratch, and the resumed steps 51-150 continue them exactly."""
-    args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet",
-            "--rollout.mode=one_step_off", "--rollout.workers=1"]
-    first, killed = tmp_path / "first", tmp_path / "killed"
-    cli(*args, f"--output_dir={first}", timeout=1800)
-    summary = json.loads((first / "summary.json").read_text())
+def test_one_step_off_on_the_demo_learns(one_step_off_demo):
+    """+15 points or more on the held-out questions."""
+    summary = json.loads((one_step_off_demo / "summary.json").read_text())
     print(f"one_step_off: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%} "
           f"in {summary['wall_seconds']:.0f}s")
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
 
+
+@pytest.mark.slow
+@pytest.mark.long  # two more demo RL stages; make test's short SIGKILL-and-resume test checks the same in CI
+def test_one_step_off_on_the_demo_repeats_exactly_and_resumes_exactly_after_sigkill(one_step_off_demo, seed0_demo,
+                                                                                    tmp_path):
+    """A second run with the same seed, SIGKILLed after step 70 (checkpoint step-50) and resumed, writes
+    the same metrics rows (timings aside) and weights: its steps 1-70 repeat the first run's from
+    scratch, and the resumed steps 51-150 continue them exactly."""
+    killed = tmp_path / "killed"
+    args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", *ONE_STEP_OFF_DEMO]
     sigkill_after([*args, f"--output_dir={killed}"], killed / "metrics.jsonl", 70)
     assert (killed / "checkpoints" / "step-50").is_dir() and not (killed / "checkpoints" / "step-150").exists()
     resumed = cli("train", str(killed / "config.yaml"), "--resume", "--quiet", timeout=1800)
     assert "resumed from" in resumed.stderr and "step-50" in resumed.stderr
-    assert comparable(rows(killed)) == comparable(rows(first))
-    assert same_weights(weights(killed, 150), weights(first, 150))
+    assert comparable(rows(killed)) == comparable(rows(one_step_off_demo))
+    assert same_weights(weights(killed, 150), weights(one_step_off_demo, 150))
 
 
 @pytest.mark.slow

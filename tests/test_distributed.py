@@ -542,37 +542,52 @@ def test_torchrun_trains_with_tool_rollouts_and_mixed_prompt_modes(tmp_path):
         assert "tool/calls_mean" in r and "tool/stop_answer_frac" in r
 
 
+def _torchrun_demo_args(seed0_demo) -> list[str]:
+    return ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_demo(seed0_demo, tmp_path_factory):
+    """The demo's RL stage on 2 processes: `torchrun --nproc_per_node=2 -m grpokit train` from the seed-0
+    demo's pi_SFT, 150 steps."""
+    straight = tmp_path_factory.mktemp("torchrun-demo") / "straight"
+    done = subprocess.run(torchrun(2, *_torchrun_demo_args(seed0_demo), f"--output_dir={straight}"), env=run_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return straight
+
+
 @pytest.mark.slow
-def test_torchrun_grpo_from_the_demo_pi_sft_learns_and_resumes_exactly_after_sigkill(tmp_path, seed0_demo):
-    """The demo's RL stage on 2 processes: `torchrun --nproc_per_node=2 -m grpokit train` from the
-    seed-0 demo's pi_SFT, 150 steps, lifts held-out greedy accuracy by >= 15 points. The same run
-    killed with SIGKILL after step 70 (checkpoint step-50 on disk) and resumed writes the same
-    metrics rows, timings aside, and ends with the same weights."""
+def test_torchrun_grpo_from_the_demo_pi_sft_learns(torchrun_demo):
+    """It lifts held-out greedy accuracy by >= 15 points."""
     import json
 
-    from safetensors.torch import load_file
-
-    from grpokit.run.metrics import read_metrics
-
-    args = ["train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--grpo.save_steps=50", "--quiet"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = subprocess.run(torchrun(2, *args, f"--output_dir={straight}"), env=run_env(), capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((straight / "summary.json").read_text())
+    summary = json.loads((torchrun_demo / "summary.json").read_text())
     print(f"2 processes: held-out greedy {summary['sft_accuracy']:.1%} -> {summary['grpo_accuracy']:.1%} "
           f"in {summary['wall_seconds']:.0f}s")
     assert summary["grpo_accuracy"] - summary["sft_accuracy"] >= 0.15, summary
 
+
+@pytest.mark.slow
+@pytest.mark.long  # two more demo RL stages; test_torchrun_two_processes_train_then_sigkill_and_resume_exactly in CI
+def test_torchrun_demo_resumes_exactly_after_sigkill(torchrun_demo, seed0_demo, tmp_path):
+    """The same run killed with SIGKILL after step 70 (checkpoint step-50 on disk) and resumed writes the
+    same metrics rows, timings aside, and ends with the same weights."""
+    from safetensors.torch import load_file
+
+    from grpokit.run.metrics import read_metrics
+
+    killed = tmp_path / "killed"
     metrics = killed / "metrics.jsonl"
-    sigkill_after_rows(torchrun(2, *args, f"--output_dir={killed}"), metrics, 70, tmp_path / "killed.log")
+    sigkill_after_rows(torchrun(2, *_torchrun_demo_args(seed0_demo), f"--output_dir={killed}"), metrics, 70,
+                       tmp_path / "killed.log")
     assert (killed / "checkpoints" / "step-50").is_dir() and not (killed / "checkpoints" / "step-150").exists()
     resumed = subprocess.run(torchrun(2, "train", str(killed / "config.yaml"), "--resume"), env=run_env(),
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step-50" in resumed.stderr
-    assert comparable(read_metrics(metrics)) == comparable(read_metrics(straight / "metrics.jsonl"))
-    a = load_file(straight / "checkpoints" / "step-150" / "model.safetensors")
+    assert comparable(read_metrics(metrics)) == comparable(read_metrics(torchrun_demo / "metrics.jsonl"))
+    a = load_file(torchrun_demo / "checkpoints" / "step-150" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step-150" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
