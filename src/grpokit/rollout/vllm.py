@@ -69,6 +69,7 @@ from grpokit.models.precision import compute_dtype
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.models.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
+from grpokit.seeds import derive_seed
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
                                     completion_mask_and_truncation)
 from grpokit.types import Rollout
@@ -218,6 +219,7 @@ class VLLMEngine:
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
         self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
+        self._seed, self._pooled_calls = seed, 0  # seeds for unseeded requests under tensor parallelism
         if weights_dir is None:
             self.sync_weights(model)  # replace the placeholders with the policy's own weights
 
@@ -293,7 +295,9 @@ class VLLMEngine:
         """vLLM's outputs for this process's requests, each of at most its max_tokens. Under tensor
         parallelism the processes of one group hold one engine between them and must submit the same
         batch: they pool their requests, generate them all, and each keeps its own (per-request seeds
-        make that exact)."""
+        make that exact). A request without a seed gets one there, from the engine's seed, the call and
+        its place in the pool: the same on every process of the group, whose samplers must draw the same
+        tokens (each process's own generator would not: the engine's collectives then mismatch)."""
         mine = slice(0, len(requests))
         if self._tp_group is not None:
             pooled: list = [None] * dist.get_world_size(self._tp_group)
@@ -304,6 +308,9 @@ class VLLMEngine:
             requests = [ids for r, _, _ in pooled for ids in r]
             seeds = [seed for _, s, _ in pooled for seed in s]
             max_tokens = [m for _, _, t in pooled for m in t]
+            self._pooled_calls += 1
+            seeds = [derive_seed(self._seed, "pooled", self._pooled_calls, i) if seed is None else seed
+                     for i, seed in enumerate(seeds)]
         if not requests:  # this process (and its group) has nothing left to continue this round
             return []
         self._wake(("weights", "kv_cache"))
