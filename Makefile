@@ -43,8 +43,9 @@ test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m "slow and not long"
 
 # By hand, not in CI: demo-scale runs too long for its 90 minutes (marker long): the demo's one_step_off and
-# torchrun RL stages SIGKILLed at step 70 and resumed, against the straight runs. CI checks the same
-# exactness on short runs (make test, make test-slow).
+# torchrun RL stages SIGKILLed at step 70 and resumed against the straight runs (CI checks the same
+# exactness on short runs), async at staleness 2 and PPO learning on the demo, and two trainer ranks on
+# two simulated Ray machines (needs the ray extra). About 20 minutes on 2 cores.
 test-long: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=8 -m "long and not vllm"
 
@@ -72,7 +73,7 @@ test-conformance: models
 # Installs the ray extra into .venv. About 4 minutes on 2 cores.
 test-ray: $(STAMP)
 	@$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install --quiet -e ".[ray]" -c $(CONSTRAINTS)
-	HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q --durations=8 -m ray
+	HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q --durations=8 -m "ray and not long"
 
 # The tests that touch what changes between torch and transformers releases (loading, generate,
 # log-probs, LoRA, precision, SFT, the GRPO step, checkpoints and resume, tool rollouts, the static

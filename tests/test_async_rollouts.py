@@ -519,6 +519,7 @@ def test_one_step_off_on_the_demo_repeats_exactly_and_resumes_exactly_after_sigk
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a demo RL stage; CI keeps one_step_off's, and make test checks async's staleness schedule
 def test_async_with_staleness_2_on_the_demo_learns(tmp_path, seed0_demo):
     run = tmp_path / "async"
     cli("train", f"--model.name_or_path={seed0_demo / 'checkpoints' / 'sft'}", "--quiet", "--rollout.mode=async",

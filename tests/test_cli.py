@@ -81,6 +81,7 @@ def test_config_keys_take_their_value_after_a_space():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a demo RL stage with a critic; test_ppo.py checks PPO's math and steps in CI
 def test_ppo_demo_improves_over_the_sft_model(tmp_path, seed0_demo):
     """The PPO baseline is a real baseline: on the demo task it, too, beats pi_SFT clearly."""
     grpokit("demo", "--algo=ppo", f"--sft.checkpoint={seed0_demo / 'checkpoints' / 'sft'}",

@@ -196,19 +196,23 @@ def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0) ->
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_sampled_frequencies_match_the_reported_distribution(checkpoint, engine):
-    """2,000 draws of one token at temperature 1, top_p 1: their frequencies match the distribution the
+    """2,000 draws of one token at temperature 1, top_p 1 (400 for hf_static on the CPU): their frequencies match the distribution the
     trainer computes (and, for an engine that reports log-probs, each draw's reported log-prob is that
     distribution's). Before the fix the checkpoint's generation_config reshaped the draws (TV 0.19 on
     SmolLM2 with strong defaults)."""
     name, model, tokenizer = checkpoint
     prompt = _plain(tokenizer)
     logp = _next_token_logp(model, tokenizer, prompt)
+    # On the CPU hf_static draws through plain generate, as hf does (its static cache is for CUDA): there
+    # 400 draws check its reported log-probs and still catch a reshaped distribution; hf's 2,000 check
+    # the draws' distribution closely (a third of this tier's time went to the repeat).
+    draws = DRAWS if engine != "hf_static" or model.device.type == "cuda" else DRAWS // 5
     torch.manual_seed(0)
     rollout = make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
-        [prompt], DRAWS, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, batch_size=500))
+        [prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, batch_size=500))
     drawn = rollout.input_ids[:, rollout.prompt_length]
-    freq = torch.bincount(drawn, minlength=logp.numel()).float() / DRAWS
-    tv, bound = bucketed_tv(freq, logp.exp(), DRAWS)
+    freq = torch.bincount(drawn, minlength=logp.numel()).float() / draws
+    tv, bound = bucketed_tv(freq, logp.exp(), draws)
     print(f"{name}/{engine}: total variation {tv:.4f} (bound {bound:.4f})")
     assert tv <= bound, f"{name}/{engine}: sampled frequencies are {tv:.3f} in total variation from the " \
                         f"trainer's distribution (honest sampling stays under {bound:.3f})"

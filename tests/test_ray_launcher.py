@@ -272,6 +272,7 @@ def test_a_killed_trainer_rank_actor_is_one_line_and_the_resume_equals_the_run_n
     assert same_weights(weights(run, 4), weights(two_ranks_on_ray, 4))
 
 
+@pytest.mark.long  # two more Ray clusters' worth of a run; by hand with make test-long
 def test_two_trainer_ranks_on_two_simulated_machines_train_as_on_one(two_ranks_on_ray, sft_checkpoint, tmp_path):
     """Three nodes of one CPU (ray.cluster_utils.Cluster): the trainer's two ranks cannot share a machine,
     so each is local rank 0 of its own and they meet at rank 0's store across nodes; the worker takes the

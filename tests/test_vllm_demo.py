@@ -39,6 +39,7 @@ def test_full_demo_with_the_vllm_engine_meets_its_target(vllm_demo):
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
+@pytest.mark.long  # a demo RL stage; CI keeps the full vLLM demo, test_vllm_lora's pushes and the hf LoRA demo
 def test_lora_demo_with_the_vllm_engine_meets_its_target(tmp_path, vllm_demo):
     """README's LoRA demo (rank 16, alpha 32, every linear layer, lr 1e-3) with rollout.engine=vllm, from
     the same pi_SFT: the engine holds the base and receives the merged weights every step; >= 15 points."""
