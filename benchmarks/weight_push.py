@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -81,8 +82,6 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for dtype_name in args.dtypes.split(","):
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
