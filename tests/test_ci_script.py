@@ -1,0 +1,34 @@
+"""CI's own script: a run whose tiers all pass must exit 0 (stop 46's CI passed every tier and still failed)."""
+import re
+import subprocess
+from pathlib import Path
+
+CI_SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "run"
+
+
+def test_the_exit_trap_of_ci_run_keeps_a_passing_runs_status_zero():
+    # The trap stops the background venv builds; after a passing run they have ended, so pkill and
+    # kill find nothing and return 1. Under `set -e` that status would end the script.
+    trap_line = next(line for line in CI_SCRIPT.read_text().splitlines() if re.match(r"trap .* EXIT", line))
+    script = f"""set -euo pipefail
+( true ) &
+venvs=$!
+{trap_line}
+wait "$venvs"
+echo tiers passed
+"""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "tiers passed"
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_exit_trap_of_ci_run_keeps_a_failed_tiers_status():
+    trap_line = next(line for line in CI_SCRIPT.read_text().splitlines() if re.match(r"trap .* EXIT", line))
+    script = f"""set -euo pipefail
+( sleep 30; true ) &
+venvs=$!
+{trap_line}
+false
+"""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
