@@ -534,16 +534,26 @@ def test_async_with_staleness_2_on_the_demo_learns(tmp_path, seed0_demo):
 
 
 def wait_any_wakes_when_a_key_is_set(trainer, worker):
-    """wait_any: False after its timeout while none of its keys is set; True as soon as another client sets
-    one, long before the timeout."""
+    """wait_any: None after its timeout while none of its keys is set; the key as soon as another client sets
+    one, long before the timeout; with several set, the first in the order asked. pop: the value, and the
+    key is gone."""
     started = time.monotonic()
-    assert not worker.wait_any(["task/0/0", "stop"], 0.3)
+    assert worker.wait_any(["task/0/0", "stop"], 0.3) is None
     assert 0.25 <= time.monotonic() - started < 5
     threading.Timer(0.2, trainer.set, args=("stop", b"1")).start()
     started = time.monotonic()
-    assert worker.wait_any(["task/0/0", "stop"], 30.0)
+    assert worker.wait_any(["task/0/0", "stop"], 30.0) == "stop"
     assert time.monotonic() - started < 10
-    assert worker.wait_any(["stop"], 0.0)  # set already: no wait
+    assert worker.wait_any(["stop"], 0.0) == "stop"  # set already: no wait
+    trainer.set("task/0/0", b"task")
+    assert worker.wait_any(["stop", "task/0/0"], 0.0) == "stop"
+    assert worker.wait_any(["task/0/0", "stop"], 0.0) == "task/0/0"
+    big = bytes(range(256)) * 1024  # 256 KiB: the Ray mailbox keeps it in the object store
+    trainer.set("result/0/0", big)
+    assert worker.pop("result/0/0") == big
+    assert not worker.check("result/0/0") and not trainer.check("result/0/0")
+    assert worker.pop("task/0/0") == b"task"
+    assert worker.wait_any(["task/0/0"], 0.0) is None
 
 
 def test_the_store_transports_wait_any_wakes_when_a_key_is_set(monkeypatch):

@@ -188,15 +188,15 @@ class Worker:
         while True:
             key = f"task/{self.index}/{n}"
             while True:
-                if self.transport.check("stop"):  # also before queued tasks: a stopped run needs none of them
+                # one call: returns as soon as either is set, stop first (a stopped run needs no queued task)
+                found = self.transport.wait_any(["stop", key], WAIT_S)
+                if found == "stop":
                     return
-                if self.transport.check(key):
+                if found == key:
                     break
                 if self.staged.error:
                     raise RuntimeError(self.staged.error)
-                self.transport.wait_any([key, "stop"], WAIT_S)  # returns as soon as either is set
-            task = Task.from_dict(decode(self.transport.get(key)))
-            self.transport.delete(key)
+            task = Task.from_dict(decode(self.transport.pop(key)))
             self.transport.set(f"result/{task.batch}/{self.index}", encode(self.sample(task)))
             n += 1
 

@@ -331,10 +331,9 @@ class RemoteRollouts:
                 continue
             key = f"result/{batch}/{task.worker}"
             waited += self._await_all([key])
-            data = self.transport.get(key)
+            data = self.transport.pop(key)
             self.received_bytes[batch] = self.received_bytes.get(batch, 0) + len(data)
             self.received[batch][task.worker] = decode(data)
-            self.transport.delete(key)
         return waited
 
     def take(self, batch: int) -> tuple[Rollout, int, dict, float]:

@@ -46,7 +46,8 @@ class Transport(Protocol):
     def set(self, key: str, value: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def check(self, key: str) -> bool: ...
-    def wait_any(self, keys: list[str], timeout_s: float) -> bool: ...
+    def wait_any(self, keys: list[str], timeout_s: float) -> str | None: ...
+    def pop(self, key: str) -> bytes: ...
     def delete(self, key: str) -> None: ...
     def add(self, key: str, amount: int) -> int: ...
     def weights(self, rank: int, size: int, device: torch.device, timeout_s: float): ...
@@ -118,14 +119,22 @@ class StoreTransport:
     def check(self, key: str) -> bool:
         return self.store.check([self.prefix + key])
 
-    def wait_any(self, keys: list[str], timeout_s: float) -> bool:
-        """Whether one of `keys` is set within timeout_s (False: none yet)."""
+    def wait_any(self, keys: list[str], timeout_s: float) -> str | None:
+        """The first of `keys`, in their order, that is set within timeout_s (None: none yet)."""
         deadline = time.monotonic() + timeout_s
-        while not any(self.store.check([self.prefix + key]) for key in keys):
+        while True:
+            for key in keys:
+                if self.store.check([self.prefix + key]):
+                    return key
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(POLL_S)
-        return True
+
+    def pop(self, key: str) -> bytes:
+        """The value of `key`, which is deleted."""
+        value = self.get(key)
+        self.delete(key)
+        return value
 
     def delete(self, key: str) -> None:
         self.store.delete_key(self.prefix + key)
@@ -170,14 +179,19 @@ def mailbox_class():
                 self.values[key] = value
                 self.changed.notify_all()
 
-        def wait_any(self, keys: list[str], timeout_s: float) -> bool:
+        def wait_any(self, keys: list[str], timeout_s: float) -> str | None:
             # Blocks in the actor, not in its callers: a poll from every waiter every few
             # milliseconds is a Ray call each, CPU the rollout workers need (docs/results/async.md).
             with self.changed:
-                return self.changed.wait_for(lambda: any(key in self.values for key in keys), timeout_s)
+                self.changed.wait_for(lambda: any(key in self.values for key in keys), timeout_s)
+                return next((key for key in keys if key in self.values), None)
 
         def get(self, key: str):
             return self.values.get(key)
+
+        def pop(self, key: str):
+            with self.changed:
+                return self.values.pop(key, None)
 
         def check(self, key: str) -> bool:
             return key in self.values
@@ -226,8 +240,15 @@ class RayTransport:
         self.ray.get(self.mailbox.set.remote(key, value))
 
     def get(self, key: str) -> bytes:
-        value = self.ray.get(self.mailbox.get.remote(key))
-        if isinstance(value, list):
+        return self._value(key, self.ray.get(self.mailbox.get.remote(key)))
+
+    def pop(self, key: str) -> bytes:
+        """get and delete in one call: each call to the mailbox is about a millisecond on the path
+        between a worker's batches (docs/results/async.md)."""
+        return self._value(key, self.ray.get(self.mailbox.pop.remote(key)))
+
+    def _value(self, key: str, value) -> bytes:
+        if isinstance(value, list):  # a reference in the object store
             value = self.ray.get(value[0])
         if value is None:
             raise KeyError(key)
@@ -236,7 +257,7 @@ class RayTransport:
     def check(self, key: str) -> bool:
         return self.ray.get(self.mailbox.check.remote(key))
 
-    def wait_any(self, keys: list[str], timeout_s: float) -> bool:
+    def wait_any(self, keys: list[str], timeout_s: float) -> str | None:
         return self.ray.get(self.mailbox.wait_any.remote(keys, timeout_s))
 
     def delete(self, key: str) -> None:
