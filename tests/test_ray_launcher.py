@@ -293,3 +293,27 @@ def test_two_trainer_ranks_on_two_simulated_machines_train_as_on_one(two_ranks_o
         assert same_weights(weights(out, 4), weights(two_ranks_on_ray, 4))
     finally:
         cluster.shutdown()
+
+
+def test_the_ray_overhead_benchmark_adds_its_rounds_to_the_results_file(sft_checkpoint, tmp_path):
+    """benchmarks/ray_overhead.py, the source of docs/results/async.md's overhead table: a short round keeps
+    the file's earlier rows and adds its own, with the numbers the table shows and the command that made them."""
+    import json
+    from pathlib import Path
+
+    results = tmp_path / "ray-overhead.json"
+    results.write_text(json.dumps({"about": "earlier", "tables": {"overhead": {"columns": [], "rows": [{"code": "x"}]}}}))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "ray_overhead.py"), "--model", str(sft_checkpoint),
+                           "--steps", "3", "--warmup", "1", "--rounds", "1", "--workdir", str(tmp_path / "work"),
+                           "--json", str(results), "--label", "smoke"], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(results.read_text())
+    earlier, row = data["tables"]["overhead"]["rows"]
+    assert earlier == {"code": "x"} and data["about"] == "earlier"
+    assert row["code"] == "smoke" and row["round"] == 1 and row["store"] > 0 and row["ray"] > 0
+    assert 0 <= row["idle"] <= 1
+    assert abs(float(row["ratio"].rstrip("×")) - row["ray"] / row["store"]) < 0.02
+    assert data["runs"][0]["label"] == "smoke" and "--rounds 1" in data["runs"][0]["command"]
+    assert f"round 1: store {row['store']} s/step, ray {row['ray']} s/step" in done.stdout
