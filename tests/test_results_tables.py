@@ -99,6 +99,24 @@ def test_a_marked_table_is_its_data_files(page, data, name, body):
                               "reads:\n" + "\n".join(expected))
 
 
+OUTPUT = re.compile(r"<!-- output: (data/[\w-]+\.json) -->")
+
+
+def test_a_benchmarks_printed_output_on_a_page_is_its_data_files():
+    """`<!-- output: data/NAME.json -->`: the lines after it are the `table` the benchmark printed and saved
+    (benchmarks/vs_trl.py writes its printed tables to its --json file), word for word."""
+    shown = 0
+    for page in sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts):
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            match = OUTPUT.search(line)
+            if match:
+                printed = json.loads((RESULTS / match.group(1)).read_text())["table"].strip().splitlines()
+                assert lines[i + 1:i + 1 + len(printed)] == printed, f"{page.name}:{i + 1} differs from {match.group(1)}"
+                shown += 1
+    assert shown >= 1
+
+
 def test_a_table_that_disagrees_with_its_data_fails():
     table = json.loads((RESULTS / "data" / "demo.json").read_text())["tables"]["accuracy"]
     lines = render(table)
