@@ -202,6 +202,7 @@ def test_any_number_of_workers_is_given_the_same_prompts_and_seeds_in_order(work
     assert all(len(t.seeds) == 4 * len(t.rows) for t in tasks)
 
 
+@pytest.mark.slow  # 44 s, two torchrun ranks and a worker: make test-slow (make test stays under 15 minutes)
 def test_a_sharded_trainer_of_two_ranks_learns_what_one_rank_does_from_one_worker(tmp_path, sft_checkpoint):
     """one_step_off with one worker: a trainer of 2 FSDP2 ranks (torchrun) against 1 process. Rank 0 holds
     the schedule and takes each batch, every rank trains on its whole groups, and every rank gathers each
@@ -385,6 +386,7 @@ def test_a_worker_that_dies_stops_the_run_naming_it_and_how_to_resume(tmp_path, 
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # 15 s, most of it the timeout: make test-slow
 def test_a_hung_weight_push_stops_the_run_within_the_timeout(tmp_path, sft_checkpoint):
     run = tmp_path / "run"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=200",

@@ -28,6 +28,7 @@ def test_bench_memory_cli_prints_the_three_sizes():
     assert "0.53" in out
 
 
+@pytest.mark.slow  # 12 s: make test-slow (make test stays under 15 minutes)
 def test_bench_cost_measures_both_algorithms(tmp_path):
     path = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "bench", "cost", "--hidden-size=32", "--layers=1",

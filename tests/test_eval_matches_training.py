@@ -47,6 +47,7 @@ def test_grpokit_eval_of_a_run_repeats_its_held_out_evaluation(tmp_path):
     assert all(len(r["completion"]) > 0 for r in records)  # generated, the run's 10 tokens each at most
 
 
+@pytest.mark.slow  # 48 s with its TIR pi_SFT: make test-slow; the CoT twin above stays in make test
 def test_grpokit_eval_of_a_run_repeats_its_tir_evaluation_token_for_token(tmp_path, tir_policy):
     """From a policy that writes programs (a short SFT on the task's TIR demonstrations), the
     run's greedy TIR completions and `grpokit eval RUN --mode tir`'s are the same text, with the

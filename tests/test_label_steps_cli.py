@@ -3,6 +3,8 @@ them -> GRPO with process supervision from that model, on the tiny built-in mode
 
 import json
 
+import pytest
+
 from test_reward_model_cli import TINY, TINY_RM, grpokit
 
 from grpokit.data.reward_data import read_step_labels
@@ -11,6 +13,7 @@ from grpokit.run.metrics import read_metrics
 LABELS = ["--reward_model.label_rollouts=2", "--reward_model.samples_per_question=2", "--quiet"]
 
 
+@pytest.mark.slow  # 15 s: make test-slow (make test stays under 15 minutes)
 def test_label_steps_then_train_rm_then_grpo_with_process_supervision(tmp_path):
     steps = tmp_path / "steps.jsonl"
     proc = grpokit("label-steps", "--output-dir", str(tmp_path / "label"), "--out", str(steps), *TINY, *TINY_RM,
