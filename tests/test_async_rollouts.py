@@ -323,6 +323,7 @@ def test_two_runs_with_the_same_seed_are_identical(async_run, tmp_path, sft_chec
     assert same_weights(weights(again, 6), weights(async_run, 6))
 
 
+@pytest.mark.slow  # 20 s: make test-slow (make test stays under 15 minutes)
 def test_sigkill_and_resume_end_as_the_uninterrupted_run(async_run, tmp_path, sft_checkpoint):
     run = tmp_path / "killed"
     proc = start("train", f"--output_dir={run}", f"--model.name_or_path={sft_checkpoint}", "--grpo.max_steps=6",
@@ -352,11 +353,13 @@ def test_a_resume_with_a_lower_max_staleness_drops_and_counts_the_batches_now_to
     assert resumed[4]["rollout/logp_mismatch"] < 1e-5  # sampled by the weights that learn from it
 
 
+# ppo and tool (23 s) in make test-slow: make test stays under 15 minutes
 @pytest.mark.parametrize("extra", [
     ["--model.lora.r=4"],  # the workers get the merged weights W + (alpha/r) B A
-    ["--algo=ppo"],  # PPO's critic stays in the trainer
-    ["--rollout.tool=python", "--model.tiny.alphabet=arithmetic-tir", "--task.prompt_modes={cot: 0.5, tir: 0.5}",
-     "--max_completion_length=64"],  # the sandbox runs in the worker
+    pytest.param(["--algo=ppo"], marks=pytest.mark.slow),  # PPO's critic stays in the trainer
+    pytest.param(["--rollout.tool=python", "--model.tiny.alphabet=arithmetic-tir",
+                  "--task.prompt_modes={cot: 0.5, tir: 0.5}", "--max_completion_length=64"],
+                 marks=pytest.mark.slow),  # the sandbox runs in the worker
 ], ids=["lora", "ppo", "tool"])
 def test_lora_ppo_and_tool_rollouts_run_with_a_worker(tmp_path, sft_checkpoint, extra):
     model = [] if "--rollout.tool=python" in extra else [f"--model.name_or_path={sft_checkpoint}"]

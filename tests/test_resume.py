@@ -131,6 +131,7 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path):
         pass
 
 
+@pytest.mark.slow  # 14 s: make test-slow (make test stays under 15 minutes)
 def test_same_seed_and_config_give_the_same_metrics(sft_checkpoint, tmp_path):
     for name in ("a", "b"):
         cli("train", f"--model.name_or_path={sft_checkpoint}", f"--output_dir={tmp_path / name}",
