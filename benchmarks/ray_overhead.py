@@ -2,8 +2,8 @@
 
     make demo                                  # its pi_SFT: runs/demo/checkpoints/sft (seed 0)
     pip install -e ".[ray]"
-    python benchmarks/ray_overhead.py --rounds 2 --json docs/results/data/ray-overhead.json \\
-        --label "waits block in the mailbox actor (wait_any), nothing else on the machine"
+    python benchmarks/ray_overhead.py --rounds 4 --json docs/results/data/ray-overhead.json \\
+        --label "what this checkout's transport does, and what else ran on the machine"
 
 Each run is `grpokit train` from the demo's pi_SFT with rollout.mode=one_step_off (k = 1), one rollout
 worker the trainer starts itself, and distributed.launcher=torchrun (the TCP store, gloo weight pushes)
@@ -47,13 +47,10 @@ def run(launcher: str, model: Path, steps: int, workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def median_step(rows: list[dict], warmup: int) -> float:
-    return statistics.median(r["perf/step_time_s"] for r in rows[warmup:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="runs/demo/checkpoints/sft", help="the demo's pi_SFT (default runs/demo/checkpoints/sft)")
+    parser.add_argument("--model", default="runs/demo/checkpoints/sft",
+                        help="the demo's pi_SFT (default runs/demo/checkpoints/sft)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the medians")
     parser.add_argument("--rounds", type=int, default=2)
@@ -68,16 +65,14 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for round_ in range(1, args.rounds + 1):
-        times = {}
+        metrics = {}
         for launcher in ("torchrun", "ray"):
             print(f"round {round_}: {launcher} ...", file=sys.stderr, flush=True)
-            metrics = run(launcher, model, args.steps, workdir)
-            times[launcher] = median_step(metrics, args.warmup)
-            if launcher == "ray":
-                idle = statistics.mean(r.get("perf/trainer_idle_frac", 0.0) for r in metrics[args.warmup:])
-        row = {"code": args.label, "round": round_, "store": round(times["torchrun"], 3),
-               "ray": round(times["ray"], 3), "idle": round(idle, 3),
-               "ratio": f"{times['ray'] / times['torchrun']:.2f}×"}
+            metrics[launcher] = run(launcher, model, args.steps, workdir)[args.warmup:]
+        store, ray = (statistics.median(r["perf/step_time_s"] for r in metrics[k]) for k in ("torchrun", "ray"))
+        idle = statistics.mean(r.get("perf/trainer_idle_frac", 0.0) for r in metrics["ray"])
+        row = {"code": args.label, "round": round_, "store": round(store, 3), "ray": round(ray, 3),
+               "idle": round(idle, 3), "ratio": f"{ray / store:.2f}×"}
         rows.append(row)
         print(f"round {round_}: store {row['store']} s/step, ray {row['ray']} s/step, {row['ratio']}, "
               f"ray's trainer idle {row['idle']:.1%}")
