@@ -35,8 +35,9 @@ COLUMNS = [{"title": "code", "key": "code"}, {"title": "round", "key": "round"},
 
 def run(launcher: str, model: Path, steps: int, workdir: Path) -> list[dict]:
     run_dir = workdir / f"run-{launcher}"
+    # RAY_ADDRESS=local: each Ray run on a private cluster of its own, never one left running here
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", RAY_ADDRESS="local")
     command = [sys.executable, "-m", "grpokit", "train", "--quiet", "--overwrite", "--output-dir", str(run_dir),
                f"--model.name_or_path={model}", "--rollout.mode=one_step_off", "--rollout.workers=1",
                f"--distributed.launcher={launcher}", f"--grpo.max_steps={steps}", "--eval.before=false",

@@ -1,7 +1,8 @@
 """distributed.launcher: ray: Ray places the run's rollout workers and carries their traffic.
 
 `grpokit train --launcher ray` joins the Ray cluster this machine belongs to (RAY_ADDRESS, or the one
-`ray start --head` started here), or starts a private one for the run when there is none. Before any
+`ray start --head` started here), or starts a private one for the run when there is none (or when
+RAY_ADDRESS=local). Before any
 model loads it checks that the cluster can hold the placement: one bundle per rollout worker
 ({CPU: rollout.worker_threads or 1}, or {GPU: 1} on CUDA), kept apart from the trainer's own
 resources. The trainer stays this process; its workers are Ray actors in those bundles
@@ -66,17 +67,19 @@ def check_placement(bundles: list[dict], available: dict, trainer: dict) -> None
 
 
 def connect(config, log_to_driver: bool = False) -> None:
-    """Join the cluster this machine belongs to, or start a private one sized to this machine.
+    """Join the cluster this machine belongs to, or start a private one sized to this machine (always
+    with RAY_ADDRESS=local, Ray's own word for it: a benchmark's run must not join a cluster left running).
     log_to_driver: actors' output is printed here (the trainer's ranks run in actors)."""
     ray = import_ray()
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     quiet = dict(logging_level="ERROR", log_to_driver=log_to_driver)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address, **quiet)
         return
-    if _running_cluster():
+    if address != "local" and _running_cluster():
         try:
             ray.init(address="auto", **quiet)
             return
