@@ -8,6 +8,7 @@ on 2 processes under FSDP2 and on 1 plain process, and compares the weights, for
 """
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -628,3 +629,26 @@ def test_a_launched_process_that_aborts_prints_the_python_stack_of_the_call_that
         "the_call_that_aborts()\n")
     assert proc.returncode == -6
     assert "Fatal Python error: Aborted" in proc.stderr and "the_call_that_aborts" in proc.stderr, proc.stderr
+
+
+def test_exit_process_leaves_a_launched_process_and_exits_any_other():
+    launched = _launched_python("from grpokit import distributed\ndistributed.exit_process(3)\n")
+    assert launched.returncode == 3, launched.stderr
+    with pytest.raises(SystemExit) as ended:
+        distributed.exit_process(4)  # this test's process: torchrun did not launch it
+    assert ended.value.code == 4
+
+
+def test_every_entry_point_that_joins_a_process_group_ends_through_exit_process():
+    """A `python -m` module torchrun can launch (it calls distributed.init) must end through
+    distributed.exit_process: `grpokit bench memory`'s probe ended with SystemExit and aborted in gloo's
+    teardown ("terminate called without an active exception") in CI's slow tier."""
+    src = Path(distributed.__file__).resolve().parent
+    entry_points = [path for path in sorted(src.rglob("*.py"))
+                    if path.name == "__main__.py" or 'if __name__ == "__main__":' in path.read_text()]
+    joins = [path for path in entry_points if path.name == "__main__.py" or "distributed.init(" in path.read_text()]
+    assert {path.relative_to(src).as_posix() for path in joins} >= {"__main__.py", "bench/memory_probe.py"}
+    for path in joins:
+        text = path.read_text()
+        main_block = text[text.index('if __name__ == "__main__":'):] if path.name != "__main__.py" else text
+        assert "distributed.exit_process(" in main_block, f"{path.relative_to(src)} ends without distributed.exit_process"

@@ -347,4 +347,4 @@ def _run(args, config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_process(main())

@@ -118,6 +118,13 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def exit_process(code: int) -> NoReturn:
+    """A `python -m` entry point's end: leave() in a process torchrun launched, sys.exit elsewhere."""
+    if launched():  # its group is destroyed: skip the interpreter's teardown
+        leave(code)
+    sys.exit(code)
+
+
 def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 

@@ -246,4 +246,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    distributed.report_crashes()
+    # under torchrun: the interpreter's teardown is where a gloo thread aborts a finished probe (distributed.leave)
+    distributed.exit_process(main())
