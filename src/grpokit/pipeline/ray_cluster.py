@@ -1,11 +1,10 @@
 """distributed.launcher: ray: Ray places the run's rollout workers and carries their traffic.
 
 `grpokit train --launcher ray` joins the Ray cluster this machine belongs to (RAY_ADDRESS, or the one
-`ray start --head` started here), or starts a private one for the run when there is none (or when
-RAY_ADDRESS=local). Before any
-model loads it checks that the cluster can hold the placement: one bundle per rollout worker
-({CPU: rollout.worker_threads or 1}, or {GPU: 1} on CUDA), kept apart from the trainer's own
-resources. The trainer stays this process; its workers are Ray actors in those bundles
+`ray start --head` started here), or starts a private one for the run when there is none or when
+RAY_ADDRESS=local. Before any model loads it checks that the cluster can hold the placement: one bundle
+per rollout worker ({CPU: rollout.worker_threads or 1}, or {GPU: 1} on CUDA), kept apart from the
+trainer's own resources. The trainer stays this process; its workers are Ray actors in those bundles
 (pipeline/rollout_worker.py, RayWorkers), and tasks, results and weights go through the run's
 mailbox actor and the object store (rollout/transport.py, RayTransport). The schedule, seeds and
 worker-order joins are the store transport's: the numbers do not change (tests/test_ray_launcher.py).
