@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from grpokit.rollout.vllm_cpu_shm import ENGINE_SEGMENTS, SHM_DIR
 from test_distributed import config_file, free_port
 
 pytestmark = [
@@ -32,6 +33,8 @@ TINY = ["--model.tiny.hidden_size=64", "--model.tiny.num_layers=2", "--model.tin
         "--grpo.save_steps=1", "--grpo.max_steps=1", "--grpo.warmup_steps=1", "--grpo.learning_rate=1e-3",
         "--eval.before=false", "--distributed.timeout_s=120", "--rollout.engine=vllm", "--quiet"]
 LORA = ["--model.lora.r=4", "--model.lora.alpha=8"]
+# vLLM's CPU collectives under external_launcher: one segment per process, named after the group
+STALE_SEGMENT = SHM_DIR / "-tp:0-[0-1]-cpushm_0"
 
 
 def run_env() -> dict:
@@ -72,8 +75,12 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("setup", ["full", "lora", "tensor_parallel_2"])
 def test_one_step_with_an_engine_per_process_gives_the_weights_of_one_process(tmp_path, one_process, setup):
     extra = {"full": [], "lora": LORA, "tensor_parallel_2": ["--rollout.tensor_parallel_size=2"]}[setup]
+    if setup == "tensor_parallel_2":  # what a killed run leaves: the segment this run's rank 0 creates
+        STALE_SEGMENT.write_bytes(b"\0" * 64)
     done = grpokit(2, "train", config_file(tmp_path), f"--output_dir={tmp_path / 'run'}", *TINY, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the stale one removed, and the run's own gone although its processes skip vLLM's teardown
+    assert sorted(SHM_DIR.glob(ENGINE_SEGMENTS)) == []
     log = done.stdout + done.stderr
     assert "Traceback" not in log  # the engines shut down before the process group, without errors
     # external_launcher joined torchrun's group (vLLM logs from rank 0 only): world size 2, and with

@@ -66,6 +66,7 @@ from torch.distributed.tensor import DTensor
 
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
+from grpokit.rollout import vllm_cpu_shm
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.models.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
@@ -207,6 +208,10 @@ class VLLMEngine:
         )
         if self.launched:  # one engine per process (or per tensor-parallel group), on its own device
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
+            if self._on_cpu:  # segments a killed run left under the names these engines create
+                if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                    vllm_cpu_shm.remove_stale_segments()
+                dist.barrier()
         try:
             with _global_rng_preserved():  # vLLM seeds torch/numpy/random of the whole process
                 self.llm = vllm.LLM(**llm_kwargs)
@@ -216,6 +221,8 @@ class VLLMEngine:
             if explained is None:
                 raise
             raise explained from err
+        if self.launched and self._on_cpu:  # vLLM's start ends once every peer opened them: free the names
+            vllm_cpu_shm.unlink_segments(_cpu_shm_segment_names())
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
         self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
@@ -512,6 +519,8 @@ class VLLMEngine:
     def _explain_start_error(self, err: Exception) -> Exception | None:
         """A grpokit-level error for the start failures users can fix, else None."""
         message = str(err)
+        if (stale := vllm_cpu_shm.stale_segment_error(message)) is not None:
+            return stale
         if "architecture" in message and "not supported" in message:
             return ValueError(
                 f"vLLM {self._vllm.__version__} does not support the policy's architecture "
@@ -567,6 +576,21 @@ def _architecture(model: torch.nn.Module) -> str:
 
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     return next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _cpu_shm_segment_names() -> list[str]:
+    """The names of this process's shared-memory segments in vLLM's CPU collectives, one per group
+    of several processes (rollout/vllm_cpu_shm.py): SHMManager names rank r's f"{group_name}_{r}"."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    names = []
+    for group_ref in list(parallel_state._groups.values()):
+        communicator = getattr(group_ref(), "device_communicator", None)
+        shm = getattr(communicator, "dist_module", None)
+        if isinstance(shm, _CPUSHMDistributed):
+            names.append(f"{shm.group_name}_{communicator.rank}")
+    return names
 
 
 def _tensor_parallel_group():
