@@ -79,7 +79,7 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs = {}
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = local_rank()
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
@@ -123,6 +123,11 @@ def exit_process(code: int) -> NoReturn:
     if launched():  # its group is destroyed: skip the interpreter's teardown
         leave(code)
     sys.exit(code)
+
+
+def local_rank() -> int:
+    """This process's rank on its machine, as the launcher set it (0 without one)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def rank() -> int:

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from grpokit import distributed
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
 from grpokit.rollout import vllm_cpu_shm
@@ -209,9 +210,9 @@ class VLLMEngine:
         if self.launched:  # one engine per process (or per tensor-parallel group), on its own device
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
             if self._on_cpu:  # segments a killed run left under the names these engines create
-                if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                if distributed.local_rank() == 0:
                     vllm_cpu_shm.remove_stale_segments()
-                dist.barrier()
+                distributed.barrier()
         try:
             with _global_rng_preserved():  # vLLM seeds torch/numpy/random of the whole process
                 self.llm = vllm.LLM(**llm_kwargs)
