@@ -5,7 +5,10 @@ config is a leaf every layer reads, so none of these rules asks a registry: whet
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import os
+import socket
 from collections.abc import Iterator
 
 from grpokit.config.schema import Config, failed
@@ -15,6 +18,39 @@ from grpokit.errors import ConfigError
 # Engines that report each sampled token's log-prob under the distribution it was drawn from (a
 # fact of the engines in grpokit.rollout, written here as names so that the config asks no registry).
 SAMPLER_LOGPROB_ENGINES = ("hf_static", "vllm")
+
+# The shared secret of a trainer and its rollout workers (docs/guides/security.md): from the
+# environment, never the config, which is saved with the run and sent to every worker.
+WORKER_SECRET_ENV = "GRPOKIT_WORKER_SECRET"
+MIN_SECRET_BYTES = 16
+MAKE_SECRET = f"export {WORKER_SECRET_ENV}=$(openssl rand -hex 16)"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (127.0.0.0/8, ::1, or a name for them)."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+def secret_length_problem(secret: str) -> str | None:
+    """A secret too short to resist guessing (an empty one is no secret: the address decides)."""
+    if secret and len(secret.encode()) < MIN_SECRET_BYTES:
+        return (f"{WORKER_SECRET_ENV} is {len(secret.encode())} bytes long: a shared secret needs at least "
+                f"{MIN_SECRET_BYTES} (e.g. `{MAKE_SECRET}`)")
+    return None
+
+
+def worker_secret_problems(address: str, secret: str) -> Iterator[str]:
+    """A secret too short to resist guessing, or a rollout worker address beyond loopback without one."""
+    if secret_length_problem(secret):
+        yield secret_length_problem(secret)
+    elif not secret and not is_loopback(address.rpartition(":")[0]):
+        yield (f"rollout.worker_address={address} listens beyond this machine's loopback interface: set "
+               f"{WORKER_SECRET_ENV} to a shared secret in the trainer's and every worker's environment (e.g. "
+               f"`{MAKE_SECRET}`), or keep rollout.worker_address on 127.0.0.1")
 
 
 def validate(config: Config) -> None:
@@ -87,6 +123,8 @@ def _worker_problems(config: Config) -> Iterator[str]:
         yield ("distributed.launcher=ray starts the rollout workers itself: leave rollout.worker_launch at spawn")
     if not r.workers:
         return
+    if config.distributed.launcher != "ray":  # Ray carries the traffic itself: rollout.worker_address is unused
+        yield from worker_secret_problems(r.worker_address, os.environ.get(WORKER_SECRET_ENV, ""))
     yield from failed([
         (r.workers <= g.prompts_per_step,
          f"rollout.workers={r.workers} is more than grpo.prompts_per_step={g.prompts_per_step}: each worker samples "

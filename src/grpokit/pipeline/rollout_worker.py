@@ -30,7 +30,8 @@ from grpokit.pipeline.build import load_policy
 from grpokit.config import Config
 from grpokit.config.loading import from_dict
 from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
-from grpokit.rollout.transport import RayTransport, StoreTransport, Transport, TransportError
+from grpokit.config.validation import secret_length_problem
+from grpokit.rollout.transport import SECRET_ENV, RayTransport, StoreTransport, Transport, TransportError
 from grpokit.rollout.weight_channel import STOP
 from grpokit.rollout.wire import Task, decode, encode, rollout_to_dict
 from grpokit.tools import make_tool
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = args.connect.rpartition(":")
     if not host or not port.isdigit():
         parser.error(f"--connect {args.connect!r} is not HOST:PORT")
+    problem = secret_length_problem(os.environ.get(SECRET_ENV, ""))
+    if problem:
+        print(f"grpokit rollout-worker {args.index}: {problem}", file=sys.stderr)
+        return 1
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

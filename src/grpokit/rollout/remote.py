@@ -1,6 +1,7 @@
 """The trainer's side of its rollout workers (rollout.workers; docs/async.md).
 
-The trainer listens on a TCP store (rollout.worker_address). Each worker (pipeline/rollout_worker.py,
+The trainer listens on a key store at rollout.worker_address, on that interface alone, every message
+authenticated with the run's secret (rollout/transport.py, docs/guides/security.md). Each worker (pipeline/rollout_worker.py,
 spawned here or started elsewhere with `grpokit rollout-worker --connect HOST:PORT --index I`)
 reads the run's config from it, builds its own engine, and then, in a loop, takes the next task
 the trainer queued for it (a batch's share of prompts, their seeds, the policy version to sample
@@ -28,7 +29,7 @@ from typing import Protocol
 import torch
 
 from grpokit.rollout.schedule import worker_shares
-from grpokit.rollout.transport import StoreTransport, Transport
+from grpokit.rollout.transport import SECRET_ENV, StoreTransport, Transport, run_secret
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
@@ -124,6 +125,8 @@ class SubprocessWorkers:
                 f"(rollout.worker_launch=external)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        if getattr(transport, "secret", ""):
+            env[SECRET_ENV] = transport.secret  # the run's own, made for its spawned workers when none is set
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
         for w in range(workers):
@@ -197,7 +200,8 @@ class RemoteRollouts:
         self.start_timeout_s = rollout_config.worker_start_timeout_s
         self.started = False
         self.device = model_device(model)
-        self.transport = transport or StoreTransport.host(rollout_config.worker_address, timeout_s)
+        self.transport = transport or StoreTransport.host(
+            rollout_config.worker_address, timeout_s, run_secret(spawned=rollout_config.worker_launch == "spawn"))
         self.address = self.transport.address
         self.launcher = launcher or (SubprocessWorkers(self.log_dir) if rollout_config.worker_launch == "spawn"
                                      else ExternalWorkers())
@@ -409,3 +413,4 @@ class RemoteRollouts:
         except RuntimeError:
             pass  # a worker is already gone: ended below
         self.launcher.stop(failed)
+        self.transport.close()

@@ -1,9 +1,10 @@
 """How the trainer and its rollout workers reach each other (docs/async.md): one interface, two kinds.
 
-- `store` (distributed.launcher: torchrun, the default): a torch.distributed TCPStore that the trainer
-  hosts carries setup, tasks, results, heartbeats and errors as keys; weights go over a gloo/NCCL
-  group of their own (rollout/weight_channel.py). Beyond loopback it needs a shared secret
-  (GRPOKIT_WORKER_SECRET), which every message key is prefixed with.
+- `store` (distributed.launcher: torchrun, the default): a key store the trainer hosts at
+  rollout.worker_address, bound to that address alone (loopback by default), carries setup, tasks,
+  results, heartbeats and errors as keys, every message authenticated with the run's secret
+  (rollout/auth_store.py); weights go over a gloo/NCCL group of their own (rollout/weight_channel.py)
+  whose peers meet through that store and listen on the same interface.
 - `ray` (distributed.launcher: ray): a mailbox actor of the run carries the same keys; results and
   weights travel as Ray object references (the bytes stay in the object store, the mailbox holds
   only references), so nothing funnels through one process's memory.
@@ -14,23 +15,22 @@ checkpointed tasks in flight, is the same for both: a run's numbers do not depen
 
 from __future__ import annotations
 
-import datetime
-import hmac
-import ipaddress
 import os
-import socket
+import secrets
 import threading
 import time
 from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
+from grpokit.config.validation import WORKER_SECRET_ENV, worker_secret_problems
+from grpokit.rollout.auth_store import KeyClient, KeyServer, KeyTable, Refused
 from grpokit.rollout.weight_channel import BUCKET_BYTES, STOP, WeightChannel, buckets
 
-SECRET_ENV = "GRPOKIT_WORKER_SECRET"
+SECRET_ENV = WORKER_SECRET_ENV
 SETUP_WAIT_S = 30.0  # how long a worker that reached the store waits for the run's setup key
-POLL_S = 0.005  # how often a wait on the TCP store looks again (a check costs it microseconds)
 WAIT_WINDOW_S = 0.5  # the longest one wait_any blocks before its caller looks at anything else
 
 
@@ -52,106 +52,134 @@ class Transport(Protocol):
     def add(self, key: str, amount: int) -> int: ...
     def weights(self, rank: int, size: int, device: torch.device, timeout_s: float): ...
     def reconnect(self) -> Transport: ...
+    def close(self) -> None: ...
 
 
-# ------------------------------------------------------------------------------------ the TCP store
+# ------------------------------------------------------------------------------------ the key store
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+def run_secret(spawned: bool) -> str:
+    """The secret of a run's store: GRPOKIT_WORKER_SECRET, or for workers this process spawns a fresh
+    one (they inherit it), so that not even another user of this machine can talk to the store. Only
+    external workers on loopback go without one: any process of this machine may then join."""
+    return os.environ.get(SECRET_ENV, "") or (secrets.token_hex(16) if spawned else "")
 
 
 class StoreTransport:
-    """The TCPStore the trainer hosts at HOST:PORT (port 0: a free one)."""
+    """The trainer's key store at HOST:PORT (port 0: a free one): `host` on the trainer, which reads and
+    writes the keys in place, `connect` on a worker, whose every call is an authenticated message."""
 
-    def __init__(self, store, address: str, prefix: str = ""):
-        self.store, self.address, self.prefix = store, address, prefix
+    def __init__(self, keys: KeyTable | KeyClient, address: str, secret: str, timeout_s: float,
+                 server: KeyServer | None = None, local_host: str = ""):
+        self.keys, self.address, self.secret, self.timeout_s = keys, address, secret, timeout_s
+        self.server, self.local_host = server, local_host
 
     @classmethod
-    def host(cls, address: str, timeout_s: float) -> StoreTransport:
-        """The trainer's end. A store reachable from other machines holds a run's config and accepts
-        tasks' results, so it must not be open to anyone who finds the port: it needs a shared secret."""
+    def host(cls, address: str, timeout_s: float, secret: str | None = None) -> StoreTransport:
+        """The trainer's end, listening on the address's interface alone. Beyond loopback the store holds
+        a run's config and accepts results, so it needs a secret (grpokit.config checks it before any
+        model loads; this is the last line)."""
+        secret = os.environ.get(SECRET_ENV, "") if secret is None else secret
+        problem = next(worker_secret_problems(address, secret), None)
+        if problem is not None:
+            raise TransportError(problem)
         host, _, port = address.rpartition(":")
-        secret = os.environ.get(SECRET_ENV, "")
-        if not _is_loopback(host) and not secret:
-            raise TransportError(
-                f"rollout.worker_address={address} listens beyond this machine, and the store has no authentication: "
-                f"set {SECRET_ENV} to a shared secret in the trainer's and every worker's environment (e.g. "
-                f"`export {SECRET_ENV}=$(openssl rand -hex 16)`), or use distributed.launcher=ray")
-        import torch.distributed as dist
-
-        store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(store, f"{host}:{store.port}", _key_prefix(secret))
+        try:
+            server = KeyServer(host.strip("[]"), int(port), secret.encode())
+        except OSError as err:
+            raise TransportError(f"rollout.worker_address={address}: cannot listen there ({err.strerror or err}); "
+                                 "name an address of this machine, or port 0 for a free port") from None
+        # the weight group listens on the same interface (any, when the store does)
+        local = "" if host.strip("[]") in ("0.0.0.0", "::", "") else host.strip("[]")
+        return cls(server.table, f"{host}:{server.port}", secret, timeout_s, server, local)
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float) -> StoreTransport:
+    def connect(cls, address: str, timeout_s: float, secret: str | None = None) -> StoreTransport:
         """A worker's end: the trainer's store at HOST:PORT, with this environment's secret."""
-        import torch.distributed as dist
-
-        host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        transport = cls(store, address, _key_prefix(os.environ.get(SECRET_ENV, "")))
-        waited = time.monotonic()
-        while not transport.check("setup"):  # the trainer writes it before it waits for its workers
-            if time.monotonic() - waited > min(timeout_s, SETUP_WAIT_S):
-                raise TransportError(f"the trainer at {address} has no run for this worker: its {SECRET_ENV} "
-                                     "differs from this environment's, or it is not a grpokit trainer")
-            time.sleep(0.05)
+        secret = os.environ.get(SECRET_ENV, "") if secret is None else secret
+        try:
+            client = KeyClient(address, secret.encode(), timeout_s)
+        except Refused as err:
+            raise TransportError(f"{err}: set {SECRET_ENV} to the trainer's") from None
+        except OSError as err:
+            raise TransportError(f"cannot reach the trainer at {address}: {err.strerror or err}") from None
+        transport = cls(client, address, secret, timeout_s, local_host=client.local_host)
+        if not transport.wait_any(["setup"], min(timeout_s, SETUP_WAIT_S)):  # set before the trainer waits for us
+            raise TransportError(f"the trainer at {address} has no run for this worker")
         return transport
 
     def reconnect(self) -> StoreTransport:
-        """Another client of the same store (a second thread's own connection)."""
-        import torch.distributed as dist
-
-        host, _, port = self.address.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.store.timeout)
-        return StoreTransport(store, self.address, self.prefix)
+        """A connection of another thread's own (the trainer's own end needs none)."""
+        if isinstance(self.keys, KeyTable):
+            return self
+        return StoreTransport.connect(self.address, self.timeout_s, self.secret)
 
     def set(self, key: str, value: bytes) -> None:
-        self.store.set(self.prefix + key, value)
+        self.keys.set(key, value)
 
     def get(self, key: str) -> bytes:
-        return self.store.get(self.prefix + key)
+        return self.keys.get(key, self.timeout_s)
 
     def check(self, key: str) -> bool:
-        return self.store.check([self.prefix + key])
+        return self.keys.check(key)
 
     def wait_any(self, keys: list[str], timeout_s: float) -> str | None:
-        """The first of `keys`, in their order, that is set within timeout_s (None: none yet)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for key in keys:
-                if self.store.check([self.prefix + key]):
-                    return key
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(POLL_S)
+        """The first of `keys`, in their order, that is set within timeout_s (None: none yet); the store
+        waits, so a waiting worker sends one message per wake-up."""
+        return self.keys.wait_any(keys, timeout_s)
 
     def pop(self, key: str) -> bytes:
         """The value of `key`, which is deleted."""
-        value = self.get(key)
-        self.delete(key)
-        return value
+        return self.keys.pop(key, self.timeout_s)
 
     def delete(self, key: str) -> None:
-        self.store.delete_key(self.prefix + key)
+        self.keys.delete(key)
 
     def add(self, key: str, amount: int) -> int:
-        return self.store.add(self.prefix + key, amount)
+        return self.keys.add(key, amount)
 
     def weights(self, rank: int, size: int, device: torch.device, timeout_s: float) -> WeightChannel:
-        return WeightChannel(self.store, rank, size, device, timeout_s, self.prefix)
+        """The weight group: its peers' addresses go through this store, so only holders of the secret
+        learn them; each listens on the interface that reaches the store."""
+        return WeightChannel(RendezvousStore(self.keys, "weights/", timeout_s), rank, size, device, timeout_s,
+                             hostname=self.local_host)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        elif isinstance(self.keys, KeyClient):
+            self.keys.close()
 
 
-def _key_prefix(secret: str) -> str:
-    """Keys under a secret's digest: a worker with another secret finds no setup, and one without
-    the secret cannot read or write the run's keys by name."""
-    if not secret:
-        return ""
-    return hmac.new(secret.encode(), b"grpokit-rollout-workers", "sha256").hexdigest()[:32] + "/"
+class RendezvousStore(dist.Store):
+    """The keys a gloo/NCCL group's peers exchange to meet, kept in the run's store under a prefix of
+    their own (torch calls these methods while the group forms)."""
+
+    def __init__(self, keys: KeyTable | KeyClient, prefix: str, timeout_s: float):
+        super().__init__()
+        self.keys, self.prefix, self.timeout_s = keys, prefix, timeout_s
+
+    def set(self, key, value) -> None:
+        self.keys.set(self.prefix + key, value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key) -> bytes:
+        return self.keys.get(self.prefix + key, self.timeout_s)
+
+    def wait(self, keys, timeout=None) -> None:
+        for key in keys:
+            self.keys.get(self.prefix + key, timeout.total_seconds() if timeout else self.timeout_s)
+
+    def check(self, keys) -> bool:
+        return all(self.keys.check(self.prefix + key) for key in keys)
+
+    def add(self, key, amount) -> int:
+        return self.keys.add(self.prefix + key, amount)
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        as_bytes = (lambda v: v.encode() if isinstance(v, str) else bytes(v))
+        return self.keys.compare_set(self.prefix + key, as_bytes(expected), as_bytes(desired))
+
+    def delete_key(self, key) -> bool:
+        return self.keys.delete(self.prefix + key)
 
 
 # ------------------------------------------------------------------------------------ Ray
@@ -233,6 +261,9 @@ class RayTransport:
 
     def reconnect(self) -> RayTransport:
         return self
+
+    def close(self) -> None:
+        """The mailbox goes with the run's RayLaunch."""
 
     def set(self, key: str, value: bytes) -> None:
         if len(value) > self.INLINE_BYTES:

@@ -1,6 +1,7 @@
 """The trainer's weights to its rollout workers over a torch.distributed process group of their
-own: the trainer is rank 0, worker i is rank i + 1 (gloo on CPU, nccl on CUDA). It is built on the
-trainer's TCP store, apart from any group torchrun made, so it spans machines as the store does.
+own: the trainer is rank 0, worker i is rank i + 1 (gloo on CPU, nccl on CUDA). Its peers meet through
+the trainer's key store (rollout/transport.py), apart from any group torchrun made, so it spans machines
+as the store does; gloo listens on the interface the store is reached through.
 
 A push is a header (version, tensor count) and then the tensors in the order both sides agreed at
 start, in buckets: consecutive tensors of one dtype, together at most BUCKET_BYTES, go as one flat
@@ -40,28 +41,33 @@ def buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterator[list
         yield group
 
 
-def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = ""):
+def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float, hostname: str = ""):
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(prefix + "weights", store)
     if device.type == "cuda":
         # NCCL's wait() only orders streams and a timeout aborts the process from a watchdog; blocking
         # wait makes it raise in the caller instead, which names the worker and how to resume
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # bound to one interface (hostname), not to whatever this machine's name resolves to
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname) if hostname
+                        else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 class WeightChannel:
     """One end of the weight group: `push` on the trainer (rank 0), `receive_*` on a worker."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = "",
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float, hostname: str = "",
                  bucket_bytes: int = BUCKET_BYTES):
-        """prefix: the run's key prefix on the store (a shared secret's digest, rollout/transport.py)."""
+        """store: where the peers meet (a torch.distributed Store holding nothing else of theirs);
+        hostname: the address of the interface gloo listens on ("": the one this machine's name gives)."""
         self.rank, self.size, self.device = rank, size, torch.device(device)
         self.bucket_bytes = bucket_bytes
-        self.group = _process_group(store, rank, size, self.device, timeout_s, prefix)
+        self.group = _process_group(store, rank, size, self.device, timeout_s, hostname)
         self.broadcasts = 0  # collectives issued, headers included (what bucketing saves)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
