@@ -138,20 +138,6 @@ def test_a_store_beyond_loopback_needs_a_shared_secret(monkeypatch):
         StoreTransport.host("0.0.0.0:0", 10.0)
 
 
-def test_a_worker_with_another_secret_finds_no_run(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "the-run's-secret")
-    trainer = StoreTransport.host("0.0.0.0:0", 10.0)
-    trainer.set("setup", b"x")
-    port = trainer.address.rpartition(":")[2]
-    monkeypatch.setenv(SECRET_ENV, "another")
-    monkeypatch.setattr("grpokit.rollout.transport.SETUP_WAIT_S", 0.5)
-    with pytest.raises(TransportError, match=f"its {SECRET_ENV} differs from this environment's"):
-        StoreTransport.connect(f"127.0.0.1:{port}", 10.0)
-    monkeypatch.setenv(SECRET_ENV, "the-run's-secret")
-    assert StoreTransport.connect(f"127.0.0.1:{port}", 10.0).get("setup") == b"x"
-    assert not trainer.store.check(["setup"])  # the key lies under the secret's digest, not by its name
-
-
 def test_a_killed_trainer_leaves_no_actor_and_the_resume_equals_the_run_never_interrupted(
         ray_run, sft_checkpoint, tmp_path):
     """The trainer is the Ray driver: SIGKILLed after step 3 (checkpoint step-2, batches 3 and 4 in flight),

@@ -568,8 +568,9 @@ class RolloutConfig:
         "spawn", "spawn: the trainer starts its workers on this machine; external: it waits for rollout.workers "
                  "`grpokit rollout-worker --connect HOST:PORT --index I` processes, started anywhere that "
                  "reaches rollout.worker_address")
-    worker_address: str = opt("127.0.0.1:0", "HOST:PORT where the trainer listens for its rollout workers; port 0 "
-                                              "= a free port, printed at start")
+    worker_address: str = opt("127.0.0.1:0", "HOST:PORT where the trainer listens for its rollout workers, on that "
+                                              "interface alone; beyond loopback it needs GRPOKIT_WORKER_SECRET "
+                                              "(docs/guides/security.md); port 0 = a free port, printed at start")
     worker_threads: int = opt(0, "torch threads of each spawned rollout worker; 0 = on CPU an equal share of the "
                                  "cores for each worker and the trainer, else torch's default")
     worker_start_timeout_s: float = opt(600.0, "seconds the rollout workers have to start (import, load the model, "

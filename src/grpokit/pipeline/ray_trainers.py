@@ -5,7 +5,8 @@ trainer ranks in one placement group (packed onto as few machines as hold them),
 environment torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 and runs the unchanged command in each: the same FSDP2 loop as under torchrun, whose rank 0 holds the
 schedule and places the rollout workers (pipeline/ray_cluster.py). Rank 0's actor hosts the rendezvous
-store on a port it binds itself; every rank joins it as torchrun's ranks join their agent's.
+store on a port it binds itself, on loopback when every rank shares its machine, else on that machine's
+Ray address alone (never every interface); every rank joins it as torchrun's ranks join their agent's.
 
 An actor that dies ends the run in one line naming its rank and the resume command; the other ranks are
 stopped at once, not at their next collective's timeout. Recovery is grpokit's exact resume.
@@ -49,12 +50,20 @@ class TrainerRankActor:
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
-    def host_store(self, world_size: int, timeout_s: float) -> int:
-        """Host the ranks' rendezvous store on a port the system picks; its port."""
+    def host_store(self, host: str, world_size: int, timeout_s: float) -> int:
+        """Host the ranks' rendezvous store at `host` alone, on a port the system picks; its port. TCPStore
+        binds every interface unless handed a socket already bound."""
+        import socket
+
         from torch.distributed import TCPStore
 
-        self._store = TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(128)
+        self._store = TCPStore(host, self._listener.getsockname()[1], world_size, is_master=True,
+                               wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+                               master_listen_fd=self._listener.fileno())
         return self._store.port
 
     def run(self, command: Callable[[], int], env: dict[str, str]) -> int:
@@ -90,8 +99,10 @@ def run(config, command: Callable[[], int]) -> int:
             actors.append(actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                               scheduling_strategy=strategy).remote())
         places = ray.get([actor.where.remote() for actor in actors])
-        port = ray.get(actors[0].host_store.remote(ranks, config.distributed.timeout_s))
-        envs = rank_environments([node for node, _ in places], places[0][1], port, gpu)
+        # one machine: loopback; several: rank 0's machine's address in the cluster, which its peers reach
+        host = "127.0.0.1" if len({node for node, _ in places}) == 1 else places[0][1]
+        port = ray.get(actors[0].host_store.remote(host, ranks, config.distributed.timeout_s))
+        envs = rank_environments([node for node, _ in places], host, port, gpu)
         runs = {actor.run.remote(command, env): rank for rank, (actor, env) in enumerate(zip(actors, envs))}
         print(f"grpokit: {ranks} trainer ranks started as Ray actors on {len(set(places))} machine(s)",
               file=sys.stderr)
