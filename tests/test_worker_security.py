@@ -238,6 +238,23 @@ def test_a_short_secret_is_one_line_on_the_trainer_and_on_a_worker(monkeypatch, 
     assert len(err) == 1 and f"{SECRET_ENV} is 5 bytes long" in err[0], err
 
 
+def test_a_second_worker_with_a_taken_index_is_refused_in_one_line(monkeypatch, capsys):
+    from grpokit.pipeline.rollout_worker import main
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    trainer = StoreTransport.host("127.0.0.1:0", 10.0)
+    try:
+        trainer.set("setup", b"x")
+        first = StoreTransport.connect(trainer.address, 10.0)
+        assert first.add("claim/1", 1) == 1  # what the first worker with --index 1 did
+        assert main(["--connect", trainer.address, "--index", "1"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "index 1 is already taken by another worker of the run" in err[0], err
+        assert not trainer.check("error/1")  # the run and its first worker go on
+    finally:
+        trainer.close()
+
+
 # ---------------------------------------------------------------------------- real runs, attacked (slow tier)
 
 STEPS = ["--grpo.max_steps=4", *RUN, "--rollout.mode=one_step_off", "--rollout.workers=1"]

@@ -227,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TransportError, RuntimeError) as err:
         print(f"grpokit rollout-worker {args.index}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
+    # the index is this worker's alone: a second worker given it would take the first one's tasks
+    if transport.add(f"claim/{args.index}", 1) != 1:
+        print(f"grpokit rollout-worker {args.index}: index {args.index} is already taken by another worker of the "
+              f"run at {args.connect}: give each worker its own --index, 0..rollout.workers-1", file=sys.stderr)
+        transport.close()
+        return 1
     return _exit(serve(transport, args.index, args.device))
 
 
