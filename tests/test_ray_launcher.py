@@ -1,6 +1,6 @@
 """distributed.launcher: ray (pipeline/ray_cluster.py, rollout/transport.py): the rollout workers as Ray
-actors, their traffic over Ray's mailbox and object store. The numbers are the store transport's, bit for
-bit; a worker that dies ends the run in one line, and the resume equals the run never interrupted.
+actors whose `sample` calls carry the tasks and results, the weights over a gloo group of the trainer and the
+actors. The numbers are the store transport's, bit for bit; a worker that dies ends the run in one line, and the resume equals the run never interrupted.
 `make test-ray` runs these (marker ray); without Ray they are skipped."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from grpokit.rollout.transport import SECRET_ENV, StoreTransport, TransportError
 from run_helpers import RUN, cli, start, wait_for_rows
 # async_run: today's transport (the TCP store, a gloo weight group) on the same 6 async steps
 from test_async_rollouts import async_run, comparable, rows, same_weights, sft_checkpoint, weights  # noqa: F401
-from test_async_rollouts import assert_learns_what_one_rank_does, wait_any_wakes_when_a_key_is_set
+from test_async_rollouts import assert_learns_what_one_rank_does
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -161,19 +161,6 @@ def wait_until_gone(process_name: str, failure: str, timeout: float = 60.0) -> N
     while subprocess.run(["pgrep", "-f", process_name], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, failure
         time.sleep(0.5)
-
-
-def test_the_ray_mailboxs_wait_any_blocks_in_the_actor_and_wakes_when_a_key_is_set():
-    """The mailbox blocks a wait in the actor: a waiting worker makes one Ray call per wake-up, not one
-    per few milliseconds (docs/results/async.md, Ray's overhead)."""
-    from grpokit.rollout.transport import RayTransport
-
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20, ignore_reinit_error=True)
-    try:
-        trainer = RayTransport.host("grpokit-wait-test")
-        wait_any_wakes_when_a_key_is_set(trainer, RayTransport.connect("grpokit-wait-test"))
-    finally:
-        ray.shutdown()
 
 
 # ------------------------------------------------------------ the trainer's ranks as Ray actors

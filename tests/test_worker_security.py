@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from grpokit.checks import load_config
 from grpokit.config import ConfigError
-from grpokit.rollout.auth_store import FRAME, MAGIC, NONCE_BYTES, KeyClient, _request, client_handshake
+from grpokit.rollout.auth_store import FRAME, MAGIC, NONCE_BYTES, _request, client_handshake
 from grpokit.rollout.transport import SECRET_ENV, StoreTransport, TransportError
-from run_helpers import RUN, brief_sft, cli
+from run_helpers import RUN, cli
 
 SECRET = "a-secret-of-the-run-0123456789"
 
@@ -261,14 +261,11 @@ STEPS = ["--grpo.max_steps=4", *RUN, "--rollout.mode=one_step_off", "--rollout.w
 
 
 @pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory):
-    return brief_sft(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def undisturbed(sft_checkpoint, tmp_path_factory):
+def undisturbed(tmp_path_factory):
+    """The run no stranger disturbs: the built-in tiny model (no pi_SFT to train first: the weights, not
+    what they learn, are compared)."""
     out = tmp_path_factory.mktemp("undisturbed") / "run"
-    cli("train", f"--output_dir={out}", f"--model.name_or_path={sft_checkpoint}", *STEPS, timeout=900)
+    cli("train", f"--output_dir={out}", *STEPS, timeout=1800)
     return load_file(out / "checkpoints" / "step-4" / "model.safetensors")
 
 
@@ -300,18 +297,18 @@ def _attack(host: str, port: int, result_key: str = "result/2/0") -> None:
         StoreTransport.connect(f"{host}:{port}", 10.0, secret="a-guessed-secret-0000000")
 
 
-def _train_attacked(tmp_path, sft_checkpoint, extra: list[str], env: dict, attacker: str) -> tuple[str, dict]:
+def _train_attacked(tmp_path, extra: list[str], env: dict, attacker: str) -> tuple[str, dict]:
     out, log = tmp_path / "run", tmp_path / "trainer.err"
     with open(log, "w") as stderr:  # a file: a pipe nobody reads while the run trains could fill
-        trainer = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "train", f"--output_dir={out}",
-                                    f"--model.name_or_path={sft_checkpoint}", *STEPS, *extra], text=True,
+        trainer = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "train", f"--output_dir={out}", *STEPS,
+                                    *extra], text=True,
                                    stdout=subprocess.PIPE, stderr=stderr, env={**env, "PYTHONUNBUFFERED": "1"})
     try:
         host, _, port = _store_address(trainer).rpartition(":")
         workers = [p.pid for p in psutil.Process(trainer.pid).children(recursive=True)]
         listening = _listening([trainer.pid, *workers])
         _attack(attacker, int(port))
-        trainer.communicate(timeout=900)
+        trainer.communicate(timeout=1800)
     finally:
         trainer.kill()
     err = log.read_text()
@@ -323,9 +320,9 @@ def _train_attacked(tmp_path, sft_checkpoint, extra: list[str], env: dict, attac
 @needs_own
 @pytest.mark.slow  # two runs of 4 steps with a worker (about a minute each on 2 cores)
 def test_a_run_at_default_settings_is_unreachable_from_the_network_and_a_local_stranger_changes_nothing(
-        tmp_path, sft_checkpoint, undisturbed):
+        tmp_path, undisturbed):
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
-    err, run = _train_attacked(tmp_path, sft_checkpoint, [], env, "127.0.0.1")
+    err, run = _train_attacked(tmp_path, [], env, "127.0.0.1")
     assert run["host"] == "127.0.0.1"
     assert run["listening"] and all(ip == "127.0.0.1" for ip, _ in run["listening"]), run["listening"]
     for _, port in run["listening"]:  # the store, and the weight group's gloo listeners
@@ -339,12 +336,12 @@ def test_a_run_at_default_settings_is_unreachable_from_the_network_and_a_local_s
 @needs_own
 @pytest.mark.slow  # a run of 4 steps with a worker
 def test_a_run_beyond_loopback_with_a_secret_refuses_strangers_and_ends_as_undisturbed(
-        tmp_path, sft_checkpoint, undisturbed):
+        tmp_path, undisturbed):
     port = socket.socket()
     port.bind(("", 0))
     free = port.getsockname()[1]
     port.close()
-    err, run = _train_attacked(tmp_path, sft_checkpoint, [f"--rollout.worker_address={OWN}:{free}"],
+    err, run = _train_attacked(tmp_path, [f"--rollout.worker_address={OWN}:{free}"],
                                {**os.environ, SECRET_ENV: SECRET}, OWN)
     assert run["host"] == OWN
     assert all(ip == OWN for ip, _ in run["listening"]), run["listening"]  # that interface alone

@@ -5,8 +5,9 @@
 RAY_ADDRESS=local. Before any model loads it checks that the cluster can hold the placement: one bundle
 per rollout worker ({CPU: rollout.worker_threads or 1}, or {GPU: 1} on CUDA), kept apart from the
 trainer's own resources. The trainer stays this process; its workers are Ray actors in those bundles
-(pipeline/rollout_worker.py, RayWorkers), and tasks, results and weights go through the run's
-mailbox actor and the object store (rollout/transport.py, RayTransport). The schedule, seeds and
+(pipeline/rollout_worker.py, RayWorkers), each asking for exactly its bundle: a task is a call to a
+worker's `sample`, its result an ObjectRef the trainer waits on in worker order, and the weights go over a
+gloo/NCCL group of the trainer and its workers, never through the object store. The schedule, seeds and
 worker-order joins are the store transport's: the numbers do not change (tests/test_ray_launcher.py).
 """
 
@@ -20,7 +21,6 @@ from pathlib import Path
 from grpokit import distributed
 from grpokit.errors import ConfigError
 from grpokit.pipeline.rollout_worker import RayWorkers
-from grpokit.rollout.transport import RayTransport
 
 # The object store of a Ray this run starts itself: Ray's default takes 30% of memory
 OBJECT_STORE_BYTES = 1 << 30
@@ -93,7 +93,8 @@ def _running_cluster() -> bool:
 
 
 class RayLaunch:
-    """The run's placement group, mailbox and worker launcher; `close` frees them (not the cluster)."""
+    """The run's placement group and its workers (launcher and link at once); `close` frees the group
+    (not the cluster)."""
 
     def __init__(self, config):
         ray = import_ray()
@@ -110,14 +111,13 @@ class RayLaunch:
             raise ConfigError(f"distributed.launcher=ray: the cluster did not grant the rollout workers' {len(bundles)} "
                               f"bundle(s) {bundles[0]} within rollout.worker_start_timeout_s="
                               f"{config.rollout.worker_start_timeout_s:g}s")
-        self.transport = RayTransport.host(f"grpokit-{uuid.uuid4().hex[:12]}")
-        self.launcher = RayWorkers(self.group, 0)  # the trainer names the step and the resume command
+        # the trainer names the step and the resume command
+        self.launcher = self.transport = RayWorkers(self.group, bundles, f"grpokit-{uuid.uuid4().hex[:12]}")
 
     def close(self) -> None:
         import ray
 
         try:
-            ray.kill(self.transport.mailbox, no_restart=True)
             self._remove(self.group)
         except Exception as err:  # noqa: BLE001 - a cluster already gone frees them itself
             print(f"grpokit: freeing the Ray placement: {type(err).__name__}", file=sys.stderr)

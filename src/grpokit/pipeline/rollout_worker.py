@@ -31,9 +31,9 @@ from grpokit.config import Config
 from grpokit.config.loading import from_dict
 from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
 from grpokit.config.validation import secret_length_problem
-from grpokit.rollout.transport import SECRET_ENV, RayTransport, StoreTransport, Transport, TransportError
+from grpokit.rollout.transport import SECRET_ENV, StoreTransport, Transport, TransportError
 from grpokit.rollout.weight_channel import STOP
-from grpokit.rollout.wire import Task, decode, encode, rollout_to_dict
+from grpokit.rollout.wire import RolloutWorkerError, Task, decode, encode, rollout_to_dict
 from grpokit.tools import make_tool
 from grpokit.models.device import model_device
 
@@ -108,14 +108,12 @@ def _heartbeat(transport: Transport, index: int) -> None:
 
 
 class Worker:
-    """Worker `index` of the run whose trainer `transport` reaches (rollout/transport.py)."""
+    """Worker `index` of the run whose setup (config, tensors, sampling) the trainer sent: its policy and
+    engine; `join` gives it the weight group, `sample` samples a task."""
 
-    def __init__(self, transport: Transport, index: int, device: str = ""):
+    def __init__(self, setup: dict, index: int, device: str = ""):
         self.index = index
-        self.transport = transport
-        setup = decode(self.transport.get("setup"))
         self.timeout_s = float(setup["timeout_s"])
-        threading.Thread(target=_heartbeat, args=(transport, index), daemon=True).start()
         self.config: Config = from_dict(Config, setup["config"])
         if device:  # this machine's GPU for this worker (--device), whatever the trainer's config says
             self.config.model.device = device
@@ -137,17 +135,19 @@ class Worker:
         if missing:
             raise ValueError(f"this worker's model has no {missing[:3]}: it is not the trainer's architecture")
         # pushes arrive in the dtypes this worker holds, so they are staged and sent at that size
-        shapes = [(name, shape, str(state[name].dtype).removeprefix("torch.")) for name, shape, _ in setup["tensors"]]
-        self.transport.set(f"dtypes/{index}", encode({"dtypes": [dtype for _, _, dtype in shapes]}))
-        self.transport.set(f"ready/{index}", b"1")
-        channel_device = self.device if setup["device"] == "cuda" else torch.device("cpu")
-        if channel_device.type == "cuda":
-            torch.cuda.set_device(channel_device)  # NCCL's rank lives on this GPU
-        self.channel = self.transport.weights(index + 1, self.config.rollout.workers + 1, channel_device,
-                                              RECEIVER_TIMEOUT_S)
-        self.staged = StagedVersions(self.channel, shapes, channel_device)
+        self.shapes = [(name, shape, str(state[name].dtype).removeprefix("torch."))
+                       for name, shape, _ in setup["tensors"]]
+        self.dtypes = [dtype for _, _, dtype in self.shapes]
+        self.channel_device = self.device if setup["device"] == "cuda" else torch.device("cpu")
+        if self.channel_device.type == "cuda":
+            torch.cuda.set_device(self.channel_device)  # NCCL's rank lives on this GPU
         self.names = names
         self.version = -1
+        self.staged: StagedVersions | None = None
+
+    def join(self, channel) -> None:
+        """Receive the weights over `channel` (this worker's end of the weight group), staged as they come."""
+        self.staged = StagedVersions(channel, self.shapes, self.channel_device)
 
     def load(self, version: int) -> None:
         """Make the engine sample from policy `version`."""
@@ -184,22 +184,25 @@ class Worker:
         return {"batch": task.batch, "version": task.version, "rollout": rollout_to_dict(rollout.to("cpu")),
                 "metrics": report() if report else {}, "failure": describe() if describe else ""}
 
-    def run(self) -> None:
-        n = 0
+
+
+def _take_tasks(worker: Worker, transport: Transport) -> None:
+    """The store's loop: take task/<index>/<n> in turn, answer under result/<batch>/<index>, until stop."""
+    n = 0
+    while True:
+        key = f"task/{worker.index}/{n}"
         while True:
-            key = f"task/{self.index}/{n}"
-            while True:
-                # one call: returns as soon as either is set, stop first (a stopped run needs no queued task)
-                found = self.transport.wait_any(["stop", key], WAIT_S)
-                if found == "stop":
-                    return
-                if found == key:
-                    break
-                if self.staged.error:
-                    raise RuntimeError(self.staged.error)
-            task = Task.from_dict(decode(self.transport.pop(key)))
-            self.transport.set(f"result/{task.batch}/{self.index}", encode(self.sample(task)))
-            n += 1
+            # one call: returns as soon as either is set, stop first (a stopped run needs no queued task)
+            found = transport.wait_any(["stop", key], WAIT_S)
+            if found == "stop":
+                return
+            if found == key:
+                break
+            if worker.staged.error:
+                raise RuntimeError(worker.staged.error)
+        task = Task.from_dict(decode(transport.pop(key)))
+        transport.set(f"result/{task.batch}/{worker.index}", encode(worker.sample(task)))
+        n += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,10 +242,15 @@ def main(argv: list[str] | None = None) -> int:
 def serve(transport: Transport, index: int, device: str = "") -> int:
     """Be rollout worker `index` until the trainer stops; 0, or 1 after a failure, which goes to the
     trainer (error/<index>) and to stderr in one line."""
-    worker = None
     try:
-        worker = Worker(transport, index, device)
-        worker.run()
+        setup = decode(transport.get("setup"))
+        threading.Thread(target=_heartbeat, args=(transport, index), daemon=True).start()
+        worker = Worker(setup, index, device)
+        transport.set(f"dtypes/{index}", encode({"dtypes": worker.dtypes}))
+        transport.set(f"ready/{index}", b"1")
+        worker.join(transport.weights(index + 1, worker.config.rollout.workers + 1, worker.channel_device,
+                                      RECEIVER_TIMEOUT_S))
+        _take_tasks(worker, transport)
         worker.staged.thread.join(timeout=worker.timeout_s)  # the trainer's stop reaches the receiver too
     except Exception as err:  # noqa: BLE001 - the trainer names this worker and says why
         message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
@@ -257,66 +265,190 @@ def serve(transport: Transport, index: int, device: str = "") -> int:
 
 
 class RayWorkers:
-    """The rollout workers as Ray actors (distributed.launcher=ray), one placement-group bundle each
-    ({CPU: threads} or {GPU: 1}), never restarted (max_restarts=0): a worker that dies ends the run in
-    one line naming it, and grpokit's exact resume takes it from the last checkpoint."""
+    """The rollout workers as Ray actors (distributed.launcher=ray), both the launcher and the link of the
+    trainer's RemoteRollouts. Each actor sits in a placement-group bundle and asks for exactly what the
+    bundle holds. A task is a call to its `sample`, whose result the trainer waits on as an ObjectRef, in
+    worker order. The weights go over a gloo/NCCL group of the trainer and the actors (as the store's
+    do), whose peers meet through a key store the trainer hosts only while the group forms, reached with
+    a secret that Ray hands the actors. Actors are never restarted (max_restarts=0): one that dies, or
+    whose result is lost with it, ends the run in one line naming it, and grpokit's exact resume takes it
+    from the last checkpoint."""
 
     shares_cores = True  # threads as spawned workers get them: an equal share of this machine's cores on CPU
 
-    def __init__(self, placement_group=None, first_bundle: int = 0, resume_hint: str = ""):
-        self.placement_group, self.first_bundle, self.resume_hint = placement_group, first_bundle, resume_hint
-        self.actors, self.runs = [], []
+    def __init__(self, placement_group=None, bundles: list[dict] | None = None, name: str = "grpokit-ray",
+                 resume_hint: str = ""):
+        self.placement_group, self.bundles, self.resume_hint = placement_group, bundles, resume_hint
+        self.address = name
+        self.actors: list = []
+        self.calls: list[dict] = []  # per worker: ObjectRef -> what it is, for the calls not yet answered
+        self.results: dict[tuple[int, int], object] = {}  # (batch, worker) -> the ObjectRef of its rollout
+        self.setup = b""
+        self._dtypes: list[list[str] | None] = []
+        self.rendezvous = None
 
-    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+    # ---------------------------------------------------------------- launcher
+    def start(self, link, workers: int, threads: int, device: torch.device) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(RolloutWorkerActor)
+        setup = ray.put(self.setup)
         for w in range(workers):
-            options = {"num_cpus": max(1, threads), "num_gpus": 1 if device.type == "cuda" else 0}
+            bundle = self.bundles[w] if self.bundles else {"CPU": 1.0}
+            options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}  # the bundle, exactly
             if self.placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=self.first_bundle + w)
+                    self.placement_group, placement_group_bundle_index=w)
             actor = actor_class.options(**options).remote()
             self.actors.append(actor)
-            self.runs.append(actor.serve.remote(transport.address, w, max(1, threads),
-                                                "cuda" if device.type == "cuda" else ""))
+            ready = actor.start.remote(setup, w, max(1, threads), "cuda" if device.type == "cuda" else "")
+            self.calls.append({ready: "start"})
+            self._dtypes.append(None)
 
     def describe(self, w: int) -> str:
         return f"rollout worker {w} (a Ray actor)"
 
     def ended(self, w: int) -> str | None:
+        """What ended worker w, seen in any of its calls not yet answered (a dead actor fails them all)."""
         import ray
 
-        if w >= len(self.runs):
+        if w >= len(self.calls) or not self.calls[w]:
             return None
-        done, _ = ray.wait([self.runs[w]], timeout=0)
-        if not done:
-            return None
+        done, _ = ray.wait(list(self.calls[w]), num_returns=len(self.calls[w]), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                return self._why(err)
+        return None
+
+    def _why(self, err) -> str:
+        import ray
+
+        if isinstance(err, ray.exceptions.RayTaskError):  # the method raised: its own error, in one line
+            cause = getattr(err, "cause", None) or err
+            text = str(cause).strip().splitlines()
+            return f"failed: {type(cause).__name__}: {text[-1][:300] if text else ''}{self.resume_hint}"
+        if isinstance(err, ray.exceptions.RayActorError):
+            text = str(err).strip().splitlines()
+            return "died" + (f" ({text[0][:200]})" if text else "") + self.resume_hint
+        # OwnerDiedError, ObjectLostError: the result went with the process that held it
+        return f"died, and its result with it ({type(err).__name__}){self.resume_hint}"
+
+    def _get(self, w: int, ref):
+        import ray
+
         try:
-            code = ray.get(done[0])
-        except ray.exceptions.RayActorError as err:
-            why = "died" + (f" ({str(err).strip().splitlines()[0][:200]})" if str(err).strip() else "")
-            return f"{why}{self.resume_hint}"
+            value = ray.get(ref)
         except ray.exceptions.RayError as err:
-            return f"failed ({type(err).__name__}){self.resume_hint}"
-        return f"stopped (exit code {code}){self.resume_hint}"
+            raise RolloutWorkerError(f"{self.describe(w)} {self._why(err)}") from None
+        self.calls[w].pop(ref, None)
+        return value
 
     def stop(self, failed: bool) -> None:
         import ray
 
-        if not failed and self.runs:
-            ray.wait(self.runs, num_returns=len(self.runs), timeout=30)
+        if not failed and self.actors:  # the stop broadcast reaches each receiver; let them end
+            ray.wait([actor.finish.remote() for actor in self.actors], num_returns=len(self.actors), timeout=30)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
+    # ---------------------------------------------------------------- link (rollout/remote.py, WorkerLink)
+    def post_setup(self, data: bytes) -> None:
+        self.setup = data
+
+    def ready(self, w: int, timeout_s: float) -> bool:
+        import ray
+
+        if self._dtypes[w] is not None:
+            return True
+        ref = next(ref for ref, what in self.calls[w].items() if what == "start")
+        if not ray.wait([ref], timeout=timeout_s)[0]:
+            return False
+        self._dtypes[w] = self._get(w, ref)
+        return True
+
+    def dtypes(self) -> list[str]:
+        return self._dtypes[0]
+
+    def failure(self, w: int) -> str | None:
+        return None  # a method that raises fails its call: ended() and result() report it
+
+    def heartbeat(self, w: int) -> int | None:
+        return None
+
+    def queue(self, task: Task, data: bytes) -> None:
+        ref = self.actors[task.worker].sample.remote(data)
+        self.calls[task.worker][ref] = "sample"
+        self.results[(task.batch, task.worker)] = ref
+
+    def result(self, batch: int, w: int, timeout_s: float) -> bytes | None:
+        import ray
+
+        ref = self.results[(batch, w)]
+        if not ray.wait([ref], timeout=timeout_s)[0]:
+            return None
+        value = self._get(w, ref)
+        del self.results[(batch, w)]
+        return value
+
+    def weights(self, size: int, device: torch.device, timeout_s: float):
+        """The trainer's end of the weight group, formed with every actor's; the key store its peers met
+        through closes once it has formed."""
+        import secrets
+
+        import ray
+
+        nodes = set(ray.get([actor.node.remote() for actor in self.actors]))
+        here = ray.get_runtime_context().get_node_id()
+        host = "127.0.0.1" if nodes == {here} else ray.util.get_node_ip_address()
+        secret = secrets.token_hex(16)
+        self.rendezvous = StoreTransport.host(f"{host}:0", timeout_s, secret)
+        self.rendezvous.set("setup", b"")  # what a connecting peer waits for
+        for w, actor in enumerate(self.actors):
+            self.calls[w][actor.join.remote(self.rendezvous.address, secret, size, timeout_s)] = "join"
+        try:
+            channel = self.rendezvous.weights(0, size, device, timeout_s)
+        finally:
+            self.rendezvous.close()
+        return channel
+
+    def stop_tasks(self) -> None:
+        """Nothing to tell the actors: the stop goes over the weight group."""
+
+    def close(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+
 
 class RolloutWorkerActor:
-    """The body of a rollout worker's Ray actor: `serve` over the run's Ray transport."""
+    """The body of a rollout worker's Ray actor: its Worker, the weight group's end, and `sample`."""
 
-    def serve(self, mailbox: str, index: int, threads: int, device: str) -> int:
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def start(self, setup: bytes, index: int, threads: int, device: str) -> list[str]:
+        """Build the worker; the dtypes it holds each pushed tensor in."""
         torch.set_num_threads(threads)
-        return serve(RayTransport.connect(mailbox), index, device)
+        self.worker = Worker(decode(setup), index, device)
+        return self.worker.dtypes
+
+    def join(self, address: str, secret: str, size: int, timeout_s: float) -> None:
+        transport = StoreTransport.connect(address, timeout_s, secret)
+        self.worker.join(transport.weights(self.worker.index + 1, size, self.worker.channel_device,
+                                           RECEIVER_TIMEOUT_S))
+        transport.close()
+
+    def sample(self, task: bytes) -> bytes:
+        if self.worker.staged.error:
+            raise RuntimeError(self.worker.staged.error)
+        return encode(self.worker.sample(Task.from_dict(decode(task))))
+
+    def finish(self) -> None:
+        self.worker.staged.thread.join(timeout=self.worker.timeout_s)
 
 
 def _exit(code: int) -> int:

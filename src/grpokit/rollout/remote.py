@@ -97,11 +97,72 @@ def _storage_key(value: torch.Tensor) -> tuple:
     return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape)
 
 
+class WorkerLink(Protocol):
+    """How the trainer hands its workers the run, their tasks and the weights, and gets their results:
+    keys on the run's store (StoreLink), or calls to Ray actors (pipeline/rollout_worker.py, RayWorkers)."""
+
+    address: str
+
+    def post_setup(self, data: bytes) -> None: ...
+    def ready(self, w: int, timeout_s: float) -> bool: ...  # worker w has started (waits up to timeout_s)
+    def dtypes(self) -> list[str]: ...  # the dtypes the workers hold each pushed tensor in
+    def failure(self, w: int) -> str | None: ...  # the error worker w reported, if any
+    def heartbeat(self, w: int) -> int | None: ...  # worker w's heart beats so far (None: not counted)
+    def queue(self, task: Task, data: bytes) -> None: ...
+    def result(self, batch: int, w: int, timeout_s: float) -> bytes | None: ...  # None: not yet
+    def weights(self, size: int, device: torch.device, timeout_s: float): ...  # the trainer's end of the weight group
+    def stop_tasks(self) -> None: ...  # no task comes any more
+    def close(self) -> None: ...
+
+
+class StoreLink:
+    """WorkerLink over the run's key store: each worker reads its tasks as task/<w>/<n> and answers
+    under result/<batch>/<w>, beats its heart under beat/<w> and reports a failure under error/<w>."""
+
+    def __init__(self, transport: Transport):
+        self.transport, self.address = transport, transport.address
+        self.secret = getattr(transport, "secret", "")
+        self.sent: dict[int, int] = {}  # tasks queued per worker: the key of the next
+
+    def post_setup(self, data: bytes) -> None:
+        self.transport.set("setup", data)
+
+    def ready(self, w: int, timeout_s: float) -> bool:
+        return self.transport.wait_any([f"ready/{w}"], timeout_s) is not None
+
+    def dtypes(self) -> list[str]:
+        return decode(self.transport.get("dtypes/0"))["dtypes"]
+
+    def failure(self, w: int) -> str | None:
+        return self.transport.get(f"error/{w}").decode() if self.transport.check(f"error/{w}") else None
+
+    def heartbeat(self, w: int) -> int | None:
+        return self.transport.add(f"beat/{w}", 0)
+
+    def queue(self, task: Task, data: bytes) -> None:
+        n = self.sent.get(task.worker, 0)
+        self.transport.set(f"task/{task.worker}/{n}", data)
+        self.sent[task.worker] = n + 1
+
+    def result(self, batch: int, w: int, timeout_s: float) -> bytes | None:
+        key = f"result/{batch}/{w}"
+        return self.transport.pop(key) if self.transport.wait_any([key], timeout_s) else None
+
+    def weights(self, size: int, device: torch.device, timeout_s: float):
+        return self.transport.weights(0, size, device, timeout_s)
+
+    def stop_tasks(self) -> None:
+        self.transport.set("stop", b"1")
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 class WorkerLauncher(Protocol):
     """Starts the rollout workers and says how each one ended: processes on this machine
     (SubprocessWorkers), or Ray actors (pipeline/rollout_worker.py, RayWorkers)."""
 
-    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None: ...
+    def start(self, link: WorkerLink, workers: int, threads: int, device: torch.device) -> None: ...
     def ended(self, w: int) -> str | None: ...  # "was killed by SIGKILL", "exited with code 1; ...", or None
     def describe(self, w: int) -> str: ...
     def stop(self, failed: bool) -> None: ...
@@ -116,7 +177,7 @@ class SubprocessWorkers:
         self.processes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
 
-    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+    def start(self, link: WorkerLink, workers: int, threads: int, device: torch.device) -> None:
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         if device.type == "cuda" and gpus < workers + 1:
             raise RolloutWorkerError(
@@ -125,8 +186,8 @@ class SubprocessWorkers:
                 f"(rollout.worker_launch=external)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-        if getattr(transport, "secret", ""):
-            env[SECRET_ENV] = transport.secret  # the run's own, made for its spawned workers when none is set
+        if getattr(link, "secret", ""):
+            env[SECRET_ENV] = link.secret  # the run's own, made for its spawned workers when none is set
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not part of torchrun's world
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
         for w in range(workers):
@@ -134,7 +195,7 @@ class SubprocessWorkers:
                 env["CUDA_VISIBLE_DEVICES"] = visible[((device.index or 0) + w + 1) % gpus]
             self.logs.append(self.log_dir / f"rollout-worker-{w}.log")
             with open(self.logs[w], "wb") as log:
-                command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", transport.address,
+                command = [sys.executable, "-m", "grpokit", "rollout-worker", "--connect", link.address,
                            "--index", str(w)] + (["--threads", str(threads)] if threads else []) + \
                     (["--device", "cuda"] if gpus else [])  # the one GPU CUDA_VISIBLE_DEVICES leaves it
                 # its own session: a Ctrl-C at the terminal reaches the trainer alone, which saves (waiting
@@ -171,9 +232,9 @@ class SubprocessWorkers:
 class ExternalWorkers:
     """Workers someone else starts (rollout.worker_launch=external): the trainer only waits for them."""
 
-    def start(self, transport: Transport, workers: int, threads: int, device: torch.device) -> None:
+    def start(self, link: WorkerLink, workers: int, threads: int, device: torch.device) -> None:
         print(f"grpokit: waiting for {workers} rollout worker(s): on each machine run `grpokit "
-              f"rollout-worker --connect {transport.address} --index I` with I = 0..{workers - 1}",
+              f"rollout-worker --connect {link.address} --index I` with I = 0..{workers - 1}",
               file=sys.stderr)
 
     def describe(self, w: int) -> str:
@@ -190,19 +251,22 @@ class RemoteRollouts:
     """Starts or awaits the workers, queues their tasks, pushes weights, collects and checks rollouts."""
 
     def __init__(self, rollout_config, run_config: dict, model: torch.nn.Module, sampling: dict, group_size: int,
-                 model_len: int, timeout_s: float, log_dir: Path, pad_id: int, transport: Transport | None = None,
-                 launcher: WorkerLauncher | None = None):
-        """transport: how trainer and workers reach each other (default: a TCP store at
-        rollout.worker_address); launcher: who starts the workers (default: by rollout.worker_launch)."""
+                 model_len: int, timeout_s: float, log_dir: Path, pad_id: int,
+                 transport: Transport | WorkerLink | None = None, launcher: WorkerLauncher | None = None):
+        """transport: how trainer and workers reach each other (default: the key store at
+        rollout.worker_address; a Transport is used as that store, a WorkerLink as it is); launcher: who
+        starts the workers (default: by rollout.worker_launch)."""
         self.workers, self.group_size, self.pad_id = rollout_config.workers, group_size, pad_id
         self.timeout_s, self.log_dir = timeout_s, Path(log_dir)
         # start-up (imports, model load) may take longer than a hung worker is given later
         self.start_timeout_s = rollout_config.worker_start_timeout_s
         self.started = False
         self.device = model_device(model)
-        self.transport = transport or StoreTransport.host(
-            rollout_config.worker_address, timeout_s, run_secret(spawned=rollout_config.worker_launch == "spawn"))
-        self.address = self.transport.address
+        if transport is None:
+            transport = StoreTransport.host(rollout_config.worker_address, timeout_s,
+                                            run_secret(spawned=rollout_config.worker_launch == "spawn"))
+        self.link: WorkerLink = transport if hasattr(transport, "queue") else StoreLink(transport)
+        self.address = self.link.address
         self.launcher = launcher or (SubprocessWorkers(self.log_dir) if rollout_config.worker_launch == "spawn"
                                      else ExternalWorkers())
         weights = _weights(model)
@@ -211,13 +275,12 @@ class RemoteRollouts:
         # rank 0 alone of a sharded trainer
         shapes = [(name, list(weights[name].shape), str(weights[name].dtype).removeprefix("torch."))
                   for name in self.names]
-        self.transport.set("setup", encode({"config": run_config, "tensors": shapes, "sampling": sampling,
-                                            "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
-                                            "device": self.device.type}))
+        self.link.post_setup(encode({"config": run_config, "tensors": shapes, "sampling": sampling,
+                                     "group_size": group_size, "model_len": model_len, "timeout_s": timeout_s,
+                                     "device": self.device.type}))
         self.channel = None
         self.tasks: dict[int, list[Task]] = {}  # batch -> its task per worker, until the batch is taken
         self.received: dict[int, dict[int, dict]] = {}  # batch -> worker -> the message it returned
-        self.sent = [0] * self.workers  # tasks queued per worker: the key of the next
         self.version = -1  # the newest version pushed
         self.pushed_bytes = 0
         self.received_bytes: dict[int, int] = {}  # batch -> rollout bytes read from the transport
@@ -228,15 +291,13 @@ class RemoteRollouts:
         try:
             spawned = isinstance(self.launcher, SubprocessWorkers) or getattr(self.launcher, "shares_cores", False)
             threads = self._share_cores(rollout_config.worker_threads) if spawned else rollout_config.worker_threads
-            self.launcher.start(self.transport, self.workers, threads, self.device)
-            self._await_all([f"ready/{w}" for w in range(self.workers)], starting=True)
+            self.launcher.start(self.link, self.workers, threads, self.device)
+            self._await_ready()
             self.started = True
             self._beats = [(-1, time.monotonic())] * self.workers  # their hearts are timed from here on
             # the dtypes the workers hold each tensor in: pushes are cast to them (same config, same dtypes)
-            self.dtypes = [getattr(torch, d) for d in decode(self.transport.get("dtypes/0"))["dtypes"]]
-            self.channel = self.transport.weights(0, self.workers + 1, self.device, timeout_s)
-            if hasattr(self.channel, "health_check"):
-                self.channel.health_check = self._checked_now
+            self.dtypes = [getattr(torch, d) for d in self.link.dtypes()]
+            self.channel = self.link.weights(self.workers + 1, self.device, timeout_s)
         except BaseException:
             self.close(failed=True)
             raise
@@ -260,13 +321,15 @@ class RemoteRollouts:
         not beaten its heart for distributed.timeout_s since the workers started."""
         now = time.monotonic()
         for w in range(self.workers):
-            if self.transport.check(f"error/{w}"):
-                raise RolloutWorkerError(f"{self.launcher.describe(w)} failed: "
-                                         f"{self.transport.get(f'error/{w}').decode()}")
+            failure = self.link.failure(w)
+            if failure is not None:
+                raise RolloutWorkerError(f"{self.launcher.describe(w)} failed: {failure}")
             ended = self.launcher.ended(w)
             if ended is not None:
                 raise RolloutWorkerError(f"{self.launcher.describe(w)} {ended}")
-            beat = self.transport.add(f"beat/{w}", 0)
+            beat = self.link.heartbeat(w)
+            if beat is None:  # not counted (Ray: a dead actor fails its calls)
+                continue
             if beat != self._beats[w][0]:
                 self._beats[w] = (beat, now)
             elif self.started and now - self._beats[w][1] > self.timeout_s:
@@ -279,19 +342,18 @@ class RemoteRollouts:
             self._checked = time.monotonic()
             self.check_workers()
 
-    def _await_all(self, keys: list[str], starting: bool = False) -> float:
-        """Wait until every key is on the store, checking the workers' health meanwhile; the seconds waited.
-        `starting`: the workers' start, which must end within rollout.worker_start_timeout_s (a batch has no
-        deadline)."""
+    def _await_ready(self) -> None:
+        """Wait until every worker has started, checking their health meanwhile; the start must end
+        within rollout.worker_start_timeout_s."""
         started = time.monotonic()
-        for key in keys:
-            # each wait_any returns as soon as the key is set, at the latest after CHECK_WINDOW_S
-            while not self.transport.wait_any([key], CHECK_WINDOW_S):
+        for w in range(self.workers):
+            # each wait returns as soon as the worker is ready, at the latest after CHECK_WINDOW_S
+            while not self.link.ready(w, CHECK_WINDOW_S):
                 self._checked_now()
-                if starting and time.monotonic() - started > self.start_timeout_s:
+                if time.monotonic() - started > self.start_timeout_s:
                     raise RolloutWorkerError(f"only some of the {self.workers} rollout worker(s) started within "
-                                             f"rollout.worker_start_timeout_s={self.start_timeout_s:g}s (missing: {key})")
-        return time.monotonic() - started
+                                             f"rollout.worker_start_timeout_s={self.start_timeout_s:g}s (missing: "
+                                             f"ready/{w})")
 
     # ------------------------------------------------------------------ weights
 
@@ -324,8 +386,7 @@ class RemoteRollouts:
             self._queue(task)
 
     def _queue(self, task: Task) -> None:
-        self.transport.set(f"task/{task.worker}/{self.sent[task.worker]}", encode(task.to_dict()))
-        self.sent[task.worker] += 1
+        self.link.queue(task, encode(task.to_dict()))
 
     def _receive(self, batch: int) -> float:
         """Wait for every worker's share of `batch`; the seconds waited."""
@@ -333,9 +394,10 @@ class RemoteRollouts:
         for task in self.tasks[batch]:
             if task.worker in self.received.setdefault(batch, {}):
                 continue
-            key = f"result/{batch}/{task.worker}"
-            waited += self._await_all([key])
-            data = self.transport.pop(key)
+            started = time.monotonic()
+            while (data := self.link.result(batch, task.worker, CHECK_WINDOW_S)) is None:
+                self._checked_now()
+            waited += time.monotonic() - started
             self.received_bytes[batch] = self.received_bytes.get(batch, 0) + len(data)
             self.received[batch][task.worker] = decode(data)
         return waited
@@ -407,10 +469,10 @@ class RemoteRollouts:
         """Tell the workers to stop, wait a little for them, then end any that remain. After a
         failure (`failed`) a worker may be hung: the spawned ones are ended at once."""
         try:
-            self.transport.set("stop", b"1")
+            self.link.stop_tasks()
             if self.channel is not None:
                 self.channel.abort() if failed else self.channel.stop()
         except RuntimeError:
             pass  # a worker is already gone: ended below
         self.launcher.stop(failed)
-        self.transport.close()
+        self.link.close()
