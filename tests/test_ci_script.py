@@ -32,3 +32,21 @@ false
 """
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
+
+
+def test_ci_run_fails_a_ray_tier_over_its_budget():
+    """make test-ray must stay within 300 s: ci/run's tier() fails the run when it takes longer."""
+    text = CI_SCRIPT.read_text()
+    tier = text[text.index("declare -A budget"):text.index("\n}\n", text.index("tier() {")) + 3]
+    assert "[test-ray]=300" in tier
+    for seconds, status in ((0, 0), (2, 1)):
+        script = f"""set -euo pipefail
+make() {{ sleep {seconds}; }}
+{tier}
+budget[test-ray]=1
+tier test-ray
+echo passed
+"""
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+        assert done.returncode == status, done.stdout + done.stderr
+        assert ("over its budget of 1 s" in done.stdout) == bool(status)
