@@ -94,6 +94,79 @@ def test_two_simulated_nodes_give_the_same_run(async_run, sft_checkpoint, tmp_pa
         cluster.shutdown()
 
 
+# ------------------------------------------------------------------------ actors, placement and deaths
+
+def test_each_worker_actor_asks_for_exactly_its_bundle(monkeypatch):
+    """An actor asking for more than its bundle holds is never placed: on 8 cores the trainer would give
+    each of 2 workers 2 threads while their bundles hold 1 CPU each."""
+    import types
+
+    import torch
+
+    from grpokit.pipeline.rollout_worker import RayWorkers
+
+    asked = []
+
+    class Actor:
+        def __getattr__(self, method):
+            return types.SimpleNamespace(remote=lambda *args, **kwargs: object())
+
+    class ActorClass:
+        def options(self, **options):
+            asked.append(options)
+            return types.SimpleNamespace(remote=lambda: Actor())
+
+    monkeypatch.setattr(ray, "remote", lambda **kwargs: (lambda cls: ActorClass()))
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    workers = RayWorkers(None, [{"CPU": 1.0}, {"CPU": 1.0}])
+    workers.start(workers, 2, 2, torch.device("cpu"))
+    assert [(o["num_cpus"], o["num_gpus"]) for o in asked] == [(1.0, 0), (1.0, 0)]
+
+
+def test_a_dead_worker_a_lost_result_and_a_failed_call_are_one_line_each(monkeypatch):
+    """What ray.get raises for a worker's call, as the trainer says it (then the step and the resume command)."""
+    from grpokit.pipeline.rollout_worker import RayWorkers
+    from grpokit.rollout.wire import RolloutWorkerError
+
+    workers = RayWorkers(None, [{"CPU": 1.0}])
+    workers.calls = [{}]
+    workers.results = {(3, 0): "ref"}
+    monkeypatch.setattr(ray, "wait", lambda refs, **kwargs: (refs, []))
+    failures = {
+        "died": ray.exceptions.ActorDiedError(),
+        r"died, and its result with it \(OwnerDiedError\)": ray.exceptions.OwnerDiedError("ab" * 14, None, ""),
+        "failed: ValueError: bad task": ray.exceptions.RayTaskError("sample", "Traceback ...\nValueError: bad task",
+                                                                   ValueError("bad task")),
+    }
+    for expected, error in failures.items():
+        monkeypatch.setattr(ray, "get", lambda ref, error=error: (_ for _ in ()).throw(error))
+        with pytest.raises(RolloutWorkerError, match=rf"^rollout worker 0 \(a Ray actor\) {expected}") as raised:
+            workers.result(3, 0, 0.0)
+        assert "\n" not in str(raised.value)
+
+
+def test_default_placement_on_an_8_cpu_cluster_starts_and_trains(tmp_path):
+    """A simulated cluster of 8 CPUs, default settings, 2 workers: every bundle is granted and used."""
+    from ray.cluster_utils import Cluster
+
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # as four_cpus below: both sides decide alike
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "object_store_memory": 200 << 20,
+                                                            "include_dashboard": False})
+    try:
+        out = tmp_path / "run"
+        cli("train", f"--output_dir={out}", "--grpo.max_steps=2", *RUN, "--rollout.mode=one_step_off",
+            "--rollout.workers=2", "--distributed.launcher=ray",
+            env=dict(ENV, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="disabled"))
+        assert [r["rollout/staleness_max"] for r in rows(out)] == [0, 1]
+    finally:
+        cluster.shutdown()
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+
+
 # ------------------------------------------------------------------------ bad input, before any model
 
 def test_a_placement_the_cluster_cannot_hold_names_what_was_asked_and_what_is_there():
