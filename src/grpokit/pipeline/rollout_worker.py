@@ -406,10 +406,13 @@ class RayWorkers:
         secret = secrets.token_hex(16)
         self.rendezvous = StoreTransport.host(f"{host}:0", timeout_s, secret)
         self.rendezvous.set("setup", b"")  # what a connecting peer waits for
-        for w, actor in enumerate(self.actors):
-            self.calls[w][actor.join.remote(self.rendezvous.address, secret, size, timeout_s)] = "join"
+        joins = [actor.join.remote(self.rendezvous.address, secret, size, timeout_s) for actor in self.actors]
+        for w, ref in enumerate(joins):
+            self.calls[w][ref] = "join"
         try:
             channel = self.rendezvous.weights(0, size, device, timeout_s)
+            for w, ref in enumerate(joins):  # each peer may still be reading the store when the group has formed
+                self._get(w, ref)
         finally:
             self.rendezvous.close()
         return channel
