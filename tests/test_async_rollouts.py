@@ -177,6 +177,8 @@ def test_workers_beside_a_sharded_trainer_keep_its_own_rules():
 class RecordingTransport:
     """A transport that keeps what the trainer sets: the tasks it queues."""
 
+    address = "recording"
+
     def __init__(self):
         self.values = {}
 
@@ -188,15 +190,15 @@ class RecordingTransport:
 def test_any_number_of_workers_is_given_the_same_prompts_and_seeds_in_order(workers):
     """What a step samples does not depend on how many workers share it: the tasks, joined in worker order,
     are the batch's prompts and per-completion seeds, each worker's share whole groups."""
-    from grpokit.rollout.remote import RemoteRollouts
+    from grpokit.rollout.remote import RemoteRollouts, StoreLink
 
     remote = object.__new__(RemoteRollouts)  # the queueing alone: no workers, no store
     remote.workers, remote.group_size, remote.tasks = workers, 4, {}
-    remote.sent, remote.transport = [0] * workers, RecordingTransport()
+    remote.link = StoreLink(RecordingTransport())
     rows = [{"prompt": f"q{i}"} for i in range(6)]
     seeds = list(range(100, 124))
     remote.submit(3, 1, rows, seeds)
-    tasks = [Task.from_dict(decode(remote.transport.values[f"task/{w}/0"])) for w in range(workers)]
+    tasks = [Task.from_dict(decode(remote.link.transport.values[f"task/{w}/0"])) for w in range(workers)]
     assert [t.worker for t in tasks] == list(range(workers)) and {t.batch for t in tasks} == {3}
     assert [r for t in tasks for r in t.rows] == rows and [x for t in tasks for x in t.seeds] == seeds
     assert all(len(t.seeds) == 4 * len(t.rows) for t in tasks)
