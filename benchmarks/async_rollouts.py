@@ -15,7 +15,7 @@ and reused. Each layout is one `grpokit train` run, its layouts alternating over
   async          the same layout, rollout.mode=async with rollout.max_staleness=2
   one_step_off_spawn / one_step_off_ray
                  one_step_off with a worker the trainer spawns (TCP store, gloo pushes) or that Ray places
-                 as an actor (distributed.launcher=ray: mailbox actor, object-store pushes); unpinned,
+                 as an actor (distributed.launcher=ray: actor calls, a gloo weight group); unpinned,
                  1 thread each: the launcher's overhead side by side
 
 The worker is started as a remote machine's would be (rollout.worker_launch=external, `grpokit
@@ -46,7 +46,7 @@ LAYOUTS = {
     "one_step_off": {"mode": "one_step_off", "workers": 1},
     "async": {"mode": "async", "workers": 1, "max_staleness": 2},
     # distributed.launcher against today's transport: the trainer spawns its worker (TCP store, gloo pushes)
-    # or Ray places it as an actor (mailbox actor, object-store pushes); neither pinned, 1 thread each
+    # or Ray places it as an actor (actor calls, a gloo weight group); neither pinned, 1 thread each
     "one_step_off_spawn": {"mode": "one_step_off", "workers": 1, "spawned": True},
     "one_step_off_ray": {"mode": "one_step_off", "workers": 1, "spawned": True, "launcher": "ray"},
 }

@@ -7,7 +7,7 @@
 
 Each run is `grpokit train` from the demo's pi_SFT with rollout.mode=one_step_off (k = 1), one rollout
 worker the trainer starts itself, and distributed.launcher=torchrun (the TCP store, gloo weight pushes)
-or ray (a mailbox actor, object-store pushes), 1 thread per process. The launchers alternate over
+or ray (worker actors called for each task, weights over a gloo group), 1 thread per process. The launchers alternate over
 --rounds, so a slow spell of the machine falls on both. Reported per round: the median of
 perf/step_time_s over the steps after --warmup, Ray's over the store's, and the mean share of Ray's
 steps the trainer waited for its batch (perf/trainer_idle_frac).
