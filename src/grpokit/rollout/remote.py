@@ -36,6 +36,7 @@ from grpokit.models.device import model_device
 
 CHECK_WINDOW_S = 0.1  # the longest a wait for a key goes without looking at the workers and the clock
 CHECK_S = 0.5  # how often a wait looks at the workers' health
+DEATH_GRACE_S = 5.0  # how long a failed push looks for the worker whose death failed it
 
 
 def _parent_death_signal():
@@ -364,10 +365,17 @@ class RemoteRollouts:
             self.pushed_bytes = self.channel.push(version, (_value(weights[n]) for n in self.names), self.dtypes,
                                                   len(self.names))
         except RuntimeError as err:  # a peer died or hung inside the collective
-            try:
-                self.check_workers()
-            except RolloutWorkerError as named:
-                raise named from None
+            # a dead peer resets the group's sockets at once, but its launcher (Ray) may learn of the death
+            # a moment later: look for it a few seconds before blaming the push itself
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while True:
+                try:
+                    self.check_workers()
+                except RolloutWorkerError as named:
+                    raise named from None
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
             raise RolloutWorkerError(f"pushing policy version {version} to the rollout workers failed within "
                                      f"distributed.timeout_s={self.timeout_s:g}s: {str(err).splitlines()[0][:300]}") \
                 from None
