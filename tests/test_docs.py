@@ -157,6 +157,9 @@ def test_every_command_example_is_real(argv, output, env, monkeypatch):
     subcommand = argv[0]
     if "PYTHONPATH" in env:  # e.g. PYTHONPATH=examples for a loss of one's own
         monkeypatch.syspath_prepend(str(ROOT / env["PYTHONPATH"]))
+    for name, value in env.items():  # e.g. GRPOKIT_WORKER_SECRET=short, which the config checks read
+        if name != "PYTHONPATH":
+            monkeypatch.setenv(name, value)
     assert subcommand in grpokit_docs.subcommands(), f"no subcommand {subcommand!r}"
     if subcommand == "bench":
         assert argv[1:2] in (["cost"], ["memory"], ["limit"], ["--help"]), argv
