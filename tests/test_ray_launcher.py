@@ -77,12 +77,13 @@ def test_a_killed_worker_actor_is_one_line_and_the_resume_equals_the_run_never_i
 
 
 def test_two_simulated_nodes_give_the_same_run(async_run, sft_checkpoint, tmp_path):
-    """A head and a second node (ray.cluster_utils.Cluster): the worker's bundle may land on either."""
+    """A head and a second node (ray.cluster_utils.Cluster) of 4 CPUs each: a simulated 8-CPU cluster, where
+    default settings place the worker (its actor asking for exactly its bundle) on either node."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 200 << 20,
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "object_store_memory": 200 << 20,
                                                             "include_dashboard": False})
-    cluster.add_node(num_cpus=1, object_store_memory=200 << 20)
+    cluster.add_node(num_cpus=4, object_store_memory=200 << 20)
     try:
         cluster.wait_for_nodes()
         out = tmp_path / "run"
@@ -143,28 +144,6 @@ def test_a_dead_worker_a_lost_result_and_a_failed_call_are_one_line_each(monkeyp
         with pytest.raises(RolloutWorkerError, match=rf"^rollout worker 0 \(a Ray actor\) {expected}") as raised:
             workers.result(3, 0, 0.0)
         assert "\n" not in str(raised.value)
-
-
-def test_default_placement_on_an_8_cpu_cluster_starts_and_trains(tmp_path):
-    """A simulated cluster of 8 CPUs, default settings, 2 workers: every bundle is granted and used."""
-    from ray.cluster_utils import Cluster
-
-    before = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # as four_cpus below: both sides decide alike
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "object_store_memory": 200 << 20,
-                                                            "include_dashboard": False})
-    try:
-        out = tmp_path / "run"
-        cli("train", f"--output_dir={out}", "--grpo.max_steps=2", *RUN, "--rollout.mode=one_step_off",
-            "--rollout.workers=2", "--distributed.launcher=ray",
-            env=dict(ENV, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="disabled"))
-        assert [r["rollout/staleness_max"] for r in rows(out)] == [0, 1]
-    finally:
-        cluster.shutdown()
-        if before is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = before
 
 
 # ------------------------------------------------------------------------ bad input, before any model
