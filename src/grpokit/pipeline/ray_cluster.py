@@ -73,6 +73,9 @@ def connect(config, log_to_driver: bool = False) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # a worker's failed call is the trainer's to report, in one line; the calls still queued behind it
+    # (batches in flight) would otherwise print Ray's traceback for each when they are dropped
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     quiet = dict(logging_level="ERROR", log_to_driver=log_to_driver)
     address = os.environ.get("RAY_ADDRESS")
     if address and address != "local":
