@@ -73,7 +73,7 @@ from grpokit.models.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
 from grpokit.seeds import derive_seed
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
-                                    completion_mask_and_truncation)
+                                    completion_mask_and_truncation, note_ignored_sampling_defaults)
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
 
@@ -148,6 +148,7 @@ class VLLMEngine:
         if kv_cache_gb is not None and kv_cache_gb <= 0:
             raise ValueError(f"rollout.kv_cache_gb must be > 0 (or unset to size from memory), got {kv_cache_gb}")
         self.tokenizer = tokenizer
+        note_ignored_sampling_defaults(model)  # said once, however the engine is built
         self.max_model_len = max_model_len
         self.kv_cache_gb = kv_cache_gb
         self.eos_ids = _eos_ids(model, tokenizer)
