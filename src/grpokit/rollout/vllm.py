@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from grpokit import distributed
 from grpokit.models.lora import lora_merged_weights
 from grpokit.models.precision import compute_dtype
+from grpokit.models.vocabulary import ghost_rows, mask_logits_past
 from grpokit.rollout import vllm_cpu_shm
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.models.logprobs import token_logprobs
@@ -90,6 +91,21 @@ CPU_KV_CACHE_GB = 1.0
 # kernels differ, so equal weights still differ by rounding.
 SYNC_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 SYNC_PROBE_TOKENS = 8
+# The vLLM releases this engine is built and tested against (pyproject.toml's vllm extra says the same)
+SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM_RELEASES = {(0, 32)}
+
+
+def vllm_version_problem(installed: str) -> str | None:
+    """One line naming the installed vLLM and the range grpokit runs on, when it lies outside; else None.
+    The engine reaches into vLLM's workers (weight reloads, its logits layer, its CPU collectives), which
+    change from release to release."""
+    from packaging.version import Version
+
+    if Version(installed).release[:2] in SUPPORTED_VLLM_RELEASES:
+        return None
+    return (f"rollout.engine=vllm: vLLM {installed} is installed, but grpokit runs on vllm{SUPPORTED_VLLM}: "
+            f"install it (`pip install 'vllm{SUPPORTED_VLLM}'`, or `make .venv-vllm` on CPU), or set rollout.engine=hf")
 
 
 def _import_vllm():
@@ -143,6 +159,11 @@ class VLLMEngine:
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
+        problem = vllm_version_problem(vllm.__version__)
+        if problem:
+            raise ValueError(problem)
+        # ids past the tokenizer: the trainer's head scores them GHOST_LOGIT, and so must vLLM's (below)
+        self._ghost_rows = ghost_rows(model, tokenizer, getattr(model, "name_or_path", "") or "the policy")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -225,12 +246,26 @@ class VLLMEngine:
             raise explained from err
         if self.launched and self._on_cpu:  # vLLM's start ends once every peer opened them: free the names
             vllm_cpu_shm.unlink_segments(_cpu_shm_segment_names())
+        if self._ghost_rows:
+            self._mask_ghost_logits(len(tokenizer))
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
         self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
         self._seed, self._pooled_calls = seed, 0  # seeds for unseeded requests under tensor parallelism
         if weights_dir is None:
             self.sync_weights(model)  # replace the placeholders with the policy's own weights
+
+    def _mask_ghost_logits(self, tokens: int) -> None:
+        """vLLM's logits at ids >= `tokens` become GHOST_LOGIT in every worker, before anything reads them:
+        sampling, its processed log-probs and prompt log-probs (the sync probe) all see the trainer's masked
+        distribution. (SamplingParams.allowed_token_ids would mask sampling alone, and checks its ~150,000
+        ids per request.)"""
+        masked = self.llm.collective_rpc(_mask_logits_past, args=(tokens,))
+        if not all(masked):
+            self.close()
+            raise RuntimeError(f"vLLM {self._vllm.__version__}: no LogitsProcessor layer found in the model of "
+                               f"architecture {self.architectures}, so its {self._ghost_rows} embedding rows past "
+                               "the tokenizer cannot be masked; use rollout.engine=hf for this model")
 
     # ---- generation ------------------------------------------------------------------
 
@@ -671,6 +706,22 @@ def _repack_cpu_shared_weights(worker) -> int:
             method.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def _mask_logits_past(worker, tokens: int) -> int:
+    """Make every LogitsProcessor layer of the worker's model write GHOST_LOGIT at ids >= `tokens`
+    (models/vocabulary.py); returns how many layers it masks. Runs inside the vLLM worker via collective_rpc."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    def hook(module, args, logits):
+        return None if logits is None else mask_logits_past(logits, tokens)
+
+    layers = [m for m in worker.model_runner.get_model().modules() if isinstance(m, LogitsProcessor)]
+    for layer in layers:
+        if getattr(layer, "_grpokit_masked_past", None) != tokens:
+            layer.register_forward_hook(hook)
+            layer._grpokit_masked_past = tokens
+    return len(layers)
 
 
 def _first_line(err: Exception) -> str:
