@@ -67,7 +67,7 @@ PLAIN_PROMPT = "The three primary colours are red, yellow and"
 FP32_BOUND, BF16_MEAN_BOUND = 1e-4, 0.05
 # The smallest error of a single token per row that the bf16 criterion claims to catch (nats), and the
 # worst-token check's margin (_farther_from_exact_than_pi_old)
-ONE_TOKEN_SHIFT, WORST_TOKEN_MARGIN = 0.25, 0.1
+ONE_TOKEN_SHIFT, WORST_TOKEN_FACTOR, WORST_TOKEN_MARGIN = 0.5, 1.5, 0.05
 
 
 def _need(path: Path) -> None:
@@ -205,13 +205,14 @@ def _engine(kind: str, model, tokenizer):
     return engine
 
 
-def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's log-probs of every id after `prompt` ([rows of the LM head]), through the model's head."""
+def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0, raw: bool = False) -> torch.Tensor:
+    """The trainer's log-probs of every id after `prompt` ([rows of the LM head]), through the model's head
+    (raw: the tempered logits themselves)."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         logits = model(**ids).logits[0, -1].float()
     logits = logits / temperature
-    return logits - torch.logsumexp(logits, dim=-1)  # as the trainer computes it (models/logprobs.py)
+    return logits if raw else logits - torch.logsumexp(logits, dim=-1)  # as the trainer computes it (models/logprobs.py)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -228,9 +229,21 @@ def test_a_sampled_frequencies_match_the_reported_distribution(checkpoint, engin
     _check_a(name, model, tokenizer, _engine(engine, model, tokenizer), engine, draws)
 
 
+def _kernel_allowance(engine, logits: torch.Tensor) -> float:
+    """What a sampler's reported log-probs may differ from the trainer's beyond FP32_BOUND: for vLLM's CPU
+    build, the error of torch.log_softmax's CPU kernel (which vLLM computes its log-probs with) against
+    x - logsumexp(x) (the trainer's), measured on these very logits [..., rows]: 1.9e-4 over qwen3-tiny's
+    151,936 logits, where x - logsumexp is within 1.5e-6 of float64. 0 for every other engine."""
+    if not getattr(engine, "_on_cpu", False):
+        return 0.0
+    logits = logits.float()
+    return (torch.log_softmax(logits, -1) - (logits - torch.logsumexp(logits, -1, keepdim=True))).abs().max().item()
+
+
 def _check_a(name, model, tokenizer, engine, kind: str, draws: int = DRAWS) -> None:
     prompt = _plain(tokenizer)
     logp = _next_token_logp(model, tokenizer, prompt)
+    bound = FP32_BOUND + _kernel_allowance(engine, _next_token_logp(model, tokenizer, prompt, raw=True))
     torch.manual_seed(0)
     rollout = engine.generate([prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0,
                                                               batch_size=500))
@@ -243,7 +256,7 @@ def _check_a(name, model, tokenizer, engine, kind: str, draws: int = DRAWS) -> N
     assert int(drawn.max()) < len(tokenizer)  # (e): never an id past the tokenizer
     if rollout.sampling_logp is not None:
         reported = rollout.sampling_logp[:, 0]
-        assert torch.allclose(reported, logp[drawn], atol=FP32_BOUND, rtol=0), \
+        assert torch.allclose(reported, logp[drawn], atol=bound, rtol=0), \
             f"{name}/{kind}: reported log-probs differ from the trainer's by {(reported - logp[drawn]).abs().max():.2e}"
 
 
@@ -270,22 +283,27 @@ def test_b_pi_old_equals_the_samplers_log_probs_fp32(checkpoint, engine):
     _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, engine)
 
 
-def _check_b(name, model, rollout, tokenizer, kind: str, bound: float = FP32_BOUND) -> None:
+def _check_b(name, model, rollout, tokenizer, kind: str, engine=None) -> None:
     mask = rollout.completion_mask.bool()
     assert int(rollout.completion_ids[mask].max()) < len(tokenizer)  # (e)
     diff = (_pi_old(model, rollout) - rollout.sampling_logp)[mask].abs().max().item()
-    print(f"{name}/{kind}: |pi_old - sampler| max {diff:.2e} over {int(mask.sum())} tokens")
+    bound = FP32_BOUND
+    if getattr(engine, "_on_cpu", False):  # the tempered logits each completion token was drawn from
+        with torch.no_grad():
+            logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
+        bound += _kernel_allowance(engine, logits[:, rollout.prompt_length - 1 : -1][mask] / RUN_TEMPERATURE)
+    print(f"{name}/{kind}: |pi_old - sampler| max {diff:.2e} over {int(mask.sum())} tokens (bound {bound:.2e})")
     assert diff <= bound, f"{name}/{kind}: pi_old and the sampler differ by {diff:.2e} in fp32"
 
 
 def _bf16_errors(model, exact_model, tokenizer, sampler_temperature: float = RUN_TEMPERATURE, seed: int = 0,
-                 shift: float = 0.0):
+                 shift: float = 0.0, engine="hf_static"):
     """Per completion token, bf16, [rows, tokens] (0 past a row's completion): (|sampler - exact|,
     |pi_old - exact|, |pi_old - sampler|), where exact is the fp32 model's log-prob and pi_old the
     trainer's bf16 one, both at the run's temperature, and the sampler drew (and reported) at
     `sampler_temperature`. shift: the mutant, one token per row (its last, the EOS where it wrote one)
     reported `shift` lower than the sampler drew it."""
-    rollout = _completions(model, tokenizer, "hf_static", temperature=sampler_temperature, seed=seed)
+    rollout = _completions(model, tokenizer, engine, temperature=sampler_temperature, seed=seed)
     mask = rollout.completion_mask.float()
     pi_old, sampler, exact = _pi_old(model, rollout), rollout.sampling_logp.float(), _pi_old(exact_model, rollout)
     if shift:
@@ -316,7 +334,7 @@ def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: 
     if sampler_tokens.mean() > 1.25 * trainer_tokens.mean() + 0.005:
         failures["mean"] = f"mean {sampler_tokens.mean():.4f} from exact, pi_old's {trainer_tokens.mean():.4f}"
     sampler_worst, trainer_worst = sampler_error.max(1).values.median(), trainer_error.max(1).values.median()
-    if sampler_worst > 2 * trainer_worst + WORST_TOKEN_MARGIN:
+    if sampler_worst > WORST_TOKEN_FACTOR * trainer_worst + WORST_TOKEN_MARGIN:
         failures["worst token"] = (f"a row's worst token {sampler_worst:.4f} from exact (median over rows), "
                                    f"pi_old's {trainer_worst:.4f}")
     return failures
@@ -329,7 +347,7 @@ def test_b_pi_old_equals_the_samplers_log_probs_bf16(name, checkpoint_dirs):
     BF16_MEAN_BOUND on average. How far either lies from exact depends on the processor's bf16 kernels, so
     the bound is relative to the trainer's own error. Two controls: a sampler that draws at temperature
     0.8 while the trainer assumes 0.7 fails the median and the mean (median ratio 4.4-5.2, mean ratio
-    3.3-5.3 as measured above); one that reports a single token per row ONE_TOKEN_SHIFT (0.25 nats) off
+    3.3-5.3 as measured above); one that reports a single token per row ONE_TOKEN_SHIFT (0.5 nats) off
     fails the worst-token check, the error this suite's bf16 criterion claims to catch."""
     folder = str(checkpoint_dirs(name))
     model, tokenizer = _load(folder, "bf16")
@@ -448,14 +466,16 @@ def _check_e(model, tokenizer, build, draws: int, kind: str) -> None:
         assert torch.all(masked[tokens:] == GHOST_LOGIT)
         assert math.isclose(torch.softmax(masked, -1)[tokens:].sum().item(), 0.0, abs_tol=0.0)
         torch.manual_seed(0)
-        rollout = build().generate([prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0))
+        engine = build()
+        rollout = engine.generate([prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0))
         ghosts = int((rollout.completion_ids >= tokens).sum())
         print(f"qwen3-tiny/{kind}: {ghosts} ghost ids in {draws:,} draws")
         assert ghosts == 0, f"{kind} drew {ghosts} ghost ids (>= {tokens:,}) in {draws:,} draws"
         if rollout.sampling_logp is not None:  # and the sampler's log-probs renormalise over real ids alone
             drawn = rollout.completion_ids[:, 0]
             expected = masked - torch.logsumexp(masked, -1)
-            assert torch.allclose(rollout.sampling_logp[:, 0], expected[drawn], atol=FP32_BOUND), kind
+            bound = FP32_BOUND + _kernel_allowance(engine, masked)
+            assert torch.allclose(rollout.sampling_logp[:, 0], expected[drawn], atol=bound), kind
     finally:
         with torch.no_grad():
             head[tokens:] = saved
@@ -466,18 +486,19 @@ def _check_e(model, tokenizer, build, draws: int, kind: str) -> None:
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
     """Checks (a)-(e) through the vLLM engine (fp32, vLLM's CPU build here), one engine per checkpoint: (a)
-    2,000 draws match the trainer's distribution and each reported log-prob is the trainer's (<= 1e-4); (b)
-    pi_old of 64-token completions equals vLLM's reported log-probs (<= 1e-4); (c) the trainer packs vLLM's
+    2,000 draws match the trainer's distribution and each reported log-prob is the trainer's (<= 1e-4, plus
+    on the CPU the error of the log_softmax kernel vLLM's CPU build uses, measured on the same logits:
+    _kernel_allowance); (b) pi_old of 64-token completions equals vLLM's reported log-probs (the same); (c) the trainer packs vLLM's
     completions as it pads them; (d) vLLM's prompt ids are the template's and its completions end at their
     first EOS; (e) on qwen3-tiny, whose padded rows carry the largest raw logits, 10,000 draws hold no ghost
     id, the reported log-probs are the masked ones, and the sync probe (vLLM's prompt log-probs) agrees.
-    Before the masking (rollout/vllm.py) vLLM drew 10,000 ghost ids in 10,000. bf16 through vLLM: the GPU
-    check (benchmarks/gpu_check.sh, step conformance), as vLLM's CPU bf16 kernels need AVX-512 BF16."""
+    Before the masking (rollout/vllm.py) vLLM drew 10,000 ghost ids in 10,000. bf16 through vLLM:
+    test_vllm_bf16_log_probs_are_as_close_to_exact_as_pi_old (marker real: by hand, `make test-vllm-real`)."""
     model, tokenizer = _load(str(checkpoint_dirs(name)))
     engine = _engine("vllm", model, tokenizer)
     try:
         _check_a(name, model, tokenizer, engine, "vllm")
-        _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, "vllm")
+        _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, "vllm", engine)
         _check_c(name, model, _completions(model, tokenizer, engine, groups=2, group_size=3, tokens=24))
         _check_d(name, model, tokenizer, _completions(model, tokenizer, engine, groups=1, group_size=8, tokens=48))
         if name == "qwen3-tiny":
@@ -488,3 +509,24 @@ def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
             _check_e(model, tokenizer, rigged, GHOST_DRAWS, "vllm")
     finally:
         engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: `make test-vllm-real` runs this in .venv-vllm")
+@pytest.mark.parametrize("name", ["smollm2-qwen-defaults", "gemma-3-270m"])
+def test_vllm_bf16_log_probs_are_as_close_to_exact_as_pi_old(name, checkpoint_dirs):
+    """Check (b) in bf16 through vLLM, by the criterion hf_static meets (_farther_from_exact_than_pi_old):
+    median, mean and a row's worst token. By hand (`make test-vllm-real`): two more engine starts on the
+    real checkpoints take minutes of CI's 2 cores."""
+    folder = str(checkpoint_dirs(name))
+    model, tokenizer = _load(folder, "bf16")
+    exact_model, _ = _load(folder)
+    engine = _engine("vllm", model, tokenizer)
+    try:
+        sampler_error, trainer_error, gap = _bf16_errors(model, exact_model, tokenizer, engine=engine)
+    finally:
+        engine.close()
+    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error)
+    assert not failures, f"{name}/vllm: the sampler's bf16 log-probs are farther from exact than pi_old's: {failures}"
+    assert gap[sampler_error > 0].mean() <= BF16_MEAN_BOUND

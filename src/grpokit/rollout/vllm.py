@@ -66,6 +66,7 @@ from torch.distributed.tensor import DTensor
 
 from grpokit import distributed
 from grpokit.models.lora import lora_merged_weights
+from grpokit.errors import ConfigError
 from grpokit.models.precision import compute_dtype
 from grpokit.models.vocabulary import ghost_rows, mask_logits_past
 from grpokit.rollout import vllm_cpu_shm
@@ -106,6 +107,21 @@ def vllm_version_problem(installed: str) -> str | None:
         return None
     return (f"rollout.engine=vllm: vLLM {installed} is installed, but grpokit runs on vllm{SUPPORTED_VLLM}: "
             f"install it (`pip install 'vllm{SUPPORTED_VLLM}'`, or `make .venv-vllm` on CPU), or set rollout.engine=hf")
+
+
+def _check_config(rollout_config):
+    """At config time, without importing vllm: the installed release (vllm, or vllm-cpu) in the range."""
+    import importlib.metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            installed = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        problem = vllm_version_problem(installed)
+        if problem:
+            yield problem
+        return
 
 
 def _import_vllm():
@@ -161,7 +177,7 @@ class VLLMEngine:
         self._vllm = vllm
         problem = vllm_version_problem(vllm.__version__)
         if problem:
-            raise ValueError(problem)
+            raise ConfigError(problem)
         # ids past the tokenizer: the trainer's head scores them GHOST_LOGIT, and so must vLLM's (below)
         self._ghost_rows = ghost_rows(model, tokenizer, getattr(model, "name_or_path", "") or "the policy")
         if max_model_len < 2:
@@ -581,7 +597,7 @@ class VLLMEngine:
 
 
 @register_engine("vllm", copies_weights=True, package="vllm", install=_INSTALL_HINT, tensor_parallel=True,
-                 runs_in_worker=True)
+                 runs_in_worker=True, check=_check_config)
 def build_vllm_engine(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> VLLMEngine:
     """A colocated VLLMEngine as the rollout config sizes it, in the policy's compute dtype (bf16
     over fp32 master weights: models/precision.py)."""
