@@ -322,7 +322,8 @@ def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: 
       0.91-1.06. A sampler at temperature 0.65, 0.75 or 0.8, or with top_p 0.8 or 0.95, while the trainer
       assumes 0.7 and 1: median ratio 1.8-21, mean ratio 1.6-5.9, each caught by one check at least.
     - worst token: one bad token per row (an EOS's log-prob, say) barely moves a median or a mean, so each
-      row's worst token counts too: the median over rows of a row's largest error over 2x pi_old's + 0.1.
+      row's worst token counts too: the median over rows of a row's largest error over 1.5x pi_old's + 0.05
+      (WORST_TOKEN_FACTOR, WORST_TOKEN_MARGIN).
       A median over rows, not the max over all tokens: over ~350 tokens the max is one token on a bf16
       rounding step (0.22-0.39 for the sampler and 0.26-0.50 for pi_old on SmolLM2, either the larger from
       seed to seed). It catches a sampler whose every row reports one token ONE_TOKEN_SHIFT off (asserted in
@@ -488,8 +489,9 @@ def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
     """Checks (a)-(e) through the vLLM engine (fp32, vLLM's CPU build here), one engine per checkpoint: (a)
     2,000 draws match the trainer's distribution and each reported log-prob is the trainer's (<= 1e-4, plus
     on the CPU the error of the log_softmax kernel vLLM's CPU build uses, measured on the same logits:
-    _kernel_allowance); (b) pi_old of 64-token completions equals vLLM's reported log-probs (the same); (c) the trainer packs vLLM's
-    completions as it pads them; (d) vLLM's prompt ids are the template's and its completions end at their
+    _kernel_allowance); (b) pi_old of 64-token completions equals vLLM's reported log-probs (the same); (c)
+    is the trainer's alone (its packed and padded forwards read the same ids whichever engine wrote them;
+    test_c covers every checkpoint), left out to keep this within a few minutes of CI; (d) vLLM's prompt ids are the template's and its completions end at their
     first EOS; (e) on qwen3-tiny, whose padded rows carry the largest raw logits, 10,000 draws hold no ghost
     id, the reported log-probs are the masked ones, and the sync probe (vLLM's prompt log-probs) agrees.
     Before the masking (rollout/vllm.py) vLLM drew 10,000 ghost ids in 10,000. bf16 through vLLM:
@@ -499,7 +501,6 @@ def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
     try:
         _check_a(name, model, tokenizer, engine, "vllm")
         _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, "vllm", engine)
-        _check_c(name, model, _completions(model, tokenizer, engine, groups=2, group_size=3, tokens=24))
         _check_d(name, model, tokenizer, _completions(model, tokenizer, engine, groups=1, group_size=8, tokens=48))
         if name == "qwen3-tiny":
             def rigged():  # the rigged head pushed as a trainer's update would be, then the sync probe
