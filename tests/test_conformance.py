@@ -500,8 +500,9 @@ def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
     engine = _engine("vllm", model, tokenizer)
     try:
         _check_a(name, model, tokenizer, engine, "vllm")
-        _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, "vllm", engine)
-        _check_d(name, model, tokenizer, _completions(model, tokenizer, engine, groups=1, group_size=8, tokens=48))
+        rollout = _completions(model, tokenizer, engine)
+        _check_b(name, model, rollout, tokenizer, "vllm", engine)
+        _check_d(name, model, tokenizer, rollout)
         if name == "qwen3-tiny":
             def rigged():  # the rigged head pushed as a trainer's update would be, then the sync probe
                 engine.sync_weights(model)
