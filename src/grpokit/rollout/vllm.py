@@ -43,6 +43,12 @@ adapted layer, computed on the weights' device one layer at a time, under the ba
 The base weights are not merged in place (merge_adapter/unmerge_adapter, as TRL does, would
 round the frozen base a little at every step in bf16).
 
+Ghost ids: vLLM computes logits from its own copy of the weights, so the LM-head hook that masks the
+embedding rows past the tokenizer (models/vocabulary.py) never reaches it. The engine hooks vLLM's logits
+layer in every worker to write the same GHOST_LOGIT there: sampling, the processed log-probs and the
+prompt log-probs of the sync probe all read the trainer's masked distribution. The vLLM releases this
+relies on are SUPPORTED_VLLM; another is refused in one line before anything starts.
+
 After each push `check_synced` compares the log-probs of a fixed short token sequence under
 the engine and under the trainer's policy, so a push that did not land stops the run.
 
