@@ -296,24 +296,30 @@ def _check_b(name, model, rollout, tokenizer, kind: str, engine=None) -> None:
     assert diff <= bound, f"{name}/{kind}: pi_old and the sampler differ by {diff:.2e} in fp32"
 
 
-def _bf16_errors(model, exact_model, tokenizer, sampler_temperature: float = RUN_TEMPERATURE, seed: int = 0,
-                 shift: float = 0.0, engine="hf_static"):
-    """Per completion token, bf16, [rows, tokens] (0 past a row's completion): (|sampler - exact|,
-    |pi_old - exact|, |pi_old - sampler|), where exact is the fp32 model's log-prob and pi_old the
-    trainer's bf16 one, both at the run's temperature, and the sampler drew (and reported) at
-    `sampler_temperature`. shift: the mutant, one token per row (its last, the EOS where it wrote one)
-    reported `shift` lower than the sampler drew it."""
+def _bf16_log_probs(model, exact_model, tokenizer, sampler_temperature: float = RUN_TEMPERATURE, seed: int = 0,
+                    engine="hf_static"):
+    """bf16 completions' per-token log-probs [rows, tokens]: (the sampler's as reported, pi_old (the
+    trainer's bf16), exact (the fp32 model's), the completion mask), pi_old and exact at the run's
+    temperature, while the sampler drew (and reported) at `sampler_temperature`."""
     rollout = _completions(model, tokenizer, engine, temperature=sampler_temperature, seed=seed)
-    mask = rollout.completion_mask.float()
-    pi_old, sampler, exact = _pi_old(model, rollout), rollout.sampling_logp.float(), _pi_old(exact_model, rollout)
+    return (rollout.sampling_logp.float(), _pi_old(model, rollout), _pi_old(exact_model, rollout),
+            rollout.completion_mask.float())
+
+
+def _bf16_errors(log_probs, shift: float = 0.0):
+    """Per completion token, [rows, tokens] (0 past a row's completion): (|sampler - exact|, |pi_old - exact|,
+    |pi_old - sampler|, the completion mask) of _bf16_log_probs. shift: the mutant, one token per row (its last, the EOS where it
+    wrote one) reported `shift` lower than the sampler drew it."""
+    sampler, pi_old, exact, mask = log_probs
     if shift:
         last = (mask.sum(1).long() - 1).clamp(min=0)
         sampler = sampler.clone()
         sampler[torch.arange(len(last)), last] -= shift
-    return (sampler - exact).abs() * mask, (pi_old - exact).abs() * mask, (pi_old - sampler).abs() * mask
+    return (sampler - exact).abs() * mask, (pi_old - exact).abs() * mask, (pi_old - sampler).abs() * mask, mask.bool()
 
 
-def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: torch.Tensor) -> dict[str, str]:
+def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: torch.Tensor,
+                                    mask: torch.Tensor) -> dict[str, str]:
     """What makes the sampler's bf16 log-probs ([rows, tokens] errors, 0 past a completion) farther from
     exact than the trainer's own pi_old, by statistic:
     - median: a typical token's error over 2x pi_old's; mean: the mean error over 1.25x pi_old's + 0.005.
@@ -329,7 +335,7 @@ def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: 
       seed to seed). It catches a sampler whose every row reports one token ONE_TOKEN_SHIFT off (asserted in
       test_b_pi_old_equals_the_samplers_log_probs_bf16)."""
     failures = {}
-    sampler_tokens, trainer_tokens = sampler_error[sampler_error > 0], trainer_error[sampler_error > 0]
+    sampler_tokens, trainer_tokens = sampler_error[mask], trainer_error[mask]
     if sampler_tokens.median() > 2 * trainer_tokens.median():
         failures["median"] = f"median {sampler_tokens.median():.4f} from exact, pi_old's {trainer_tokens.median():.4f}"
     if sampler_tokens.mean() > 1.25 * trainer_tokens.mean() + 0.005:
@@ -353,23 +359,25 @@ def test_b_pi_old_equals_the_samplers_log_probs_bf16(name, checkpoint_dirs):
     folder = str(checkpoint_dirs(name))
     model, tokenizer = _load(folder, "bf16")
     exact_model, _ = _load(folder)
-    sampler_error, trainer_error, gap = _bf16_errors(model, exact_model, tokenizer)
-    tokens = gap[sampler_error > 0]
+    log_probs = _bf16_log_probs(model, exact_model, tokenizer)
+    sampler_error, trainer_error, gap, mask = _bf16_errors(log_probs)
+    tokens = gap[mask]
     print(f"{name}: bf16 |pi_old - sampler| max {tokens.max():.4f}, mean {tokens.mean():.4f} over {tokens.numel()} "
-          f"tokens; from exact: sampler max {sampler_error.max():.4f} median {sampler_error[sampler_error > 0].median():.5f}"
+          f"tokens; from exact: sampler max {sampler_error.max():.4f} median {sampler_error[mask].median():.5f}"
           f" row-worst median {sampler_error.max(1).values.median():.4f}, pi_old max {trainer_error.max():.4f} "
-          f"median {trainer_error[sampler_error > 0].median():.5f} row-worst median "
+          f"median {trainer_error[mask].median():.5f} row-worst median "
           f"{trainer_error.max(1).values.median():.4f}")
-    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error)
+    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error, mask)
     assert not failures, f"{name}: the sampler's bf16 log-probs are farther from exact than pi_old's: {failures}"
     assert tokens.mean() <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {tokens.mean():.4f} on average in bf16"
     # The controls: a sampler 0.1 off the run's temperature fails on the median and the mean
-    off_error, off_trainer_error, _ = _bf16_errors(model, exact_model, tokenizer, sampler_temperature=0.8)
-    off = _farther_from_exact_than_pi_old(off_error, off_trainer_error)
+    off_error, off_trainer_error, _, off_mask = _bf16_errors(_bf16_log_probs(model, exact_model, tokenizer,
+                                                                   sampler_temperature=0.8))
+    off = _farther_from_exact_than_pi_old(off_error, off_trainer_error, off_mask)
     assert {"median", "mean"} <= off.keys(), f"{name}: a sampler at temperature 0.8 passed for one at 0.7: {off}"
     # and one token per row reported ONE_TOKEN_SHIFT off fails on its worst tokens
-    shifted, shifted_trainer, _ = _bf16_errors(model, exact_model, tokenizer, shift=ONE_TOKEN_SHIFT)
-    caught = _farther_from_exact_than_pi_old(shifted, shifted_trainer)
+    shifted, shifted_trainer, _, _ = _bf16_errors(log_probs, shift=ONE_TOKEN_SHIFT)
+    caught = _farther_from_exact_than_pi_old(shifted, shifted_trainer, mask)
     assert "worst token" in caught, f"{name}: one token per row {ONE_TOKEN_SHIFT} off passed: {caught}"
 
 
@@ -526,9 +534,10 @@ def test_vllm_bf16_log_probs_are_as_close_to_exact_as_pi_old(name, checkpoint_di
     exact_model, _ = _load(folder)
     engine = _engine("vllm", model, tokenizer)
     try:
-        sampler_error, trainer_error, gap = _bf16_errors(model, exact_model, tokenizer, engine=engine)
+        sampler_error, trainer_error, gap, mask = _bf16_errors(_bf16_log_probs(model, exact_model, tokenizer,
+                                                                               engine=engine))
     finally:
         engine.close()
-    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error)
+    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error, mask)
     assert not failures, f"{name}/vllm: the sampler's bf16 log-probs are farther from exact than pi_old's: {failures}"
-    assert gap[sampler_error > 0].mean() <= BF16_MEAN_BOUND
+    assert gap[mask].mean() <= BF16_MEAN_BOUND
