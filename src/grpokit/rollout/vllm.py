@@ -43,6 +43,12 @@ adapted layer, computed on the weights' device one layer at a time, under the ba
 The base weights are not merged in place (merge_adapter/unmerge_adapter, as TRL does, would
 round the frozen base a little at every step in bf16).
 
+Ghost ids: vLLM computes logits from its own copy of the weights, so the LM-head hook that masks the
+embedding rows past the tokenizer (models/vocabulary.py) never reaches it. The engine hooks vLLM's logits
+layer in every worker to write the same GHOST_LOGIT there: sampling, the processed log-probs and the
+prompt log-probs of the sync probe all read the trainer's masked distribution. The vLLM releases this
+relies on are SUPPORTED_VLLM; another is refused in one line before anything starts.
+
 After each push `check_synced` compares the log-probs of a fixed short token sequence under
 the engine and under the trainer's policy, so a push that did not land stops the run.
 
@@ -66,14 +72,16 @@ from torch.distributed.tensor import DTensor
 
 from grpokit import distributed
 from grpokit.models.lora import lora_merged_weights
+from grpokit.errors import ConfigError
 from grpokit.models.precision import compute_dtype
+from grpokit.models.vocabulary import ghost_rows, mask_logits_past
 from grpokit.rollout import vllm_cpu_shm
 from grpokit.rollout.engine import RolloutEngineError, WeightSyncError
 from grpokit.models.logprobs import token_logprobs
 from grpokit.rollout.registry import register_engine
 from grpokit.seeds import derive_seed
 from grpokit.rollout.sampler import (Continuation, SamplingParams, _eos_ids, assemble_rollout,
-                                    completion_mask_and_truncation)
+                                    completion_mask_and_truncation, note_ignored_sampling_defaults)
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
 
@@ -90,6 +98,36 @@ CPU_KV_CACHE_GB = 1.0
 # kernels differ, so equal weights still differ by rounding.
 SYNC_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 SYNC_PROBE_TOKENS = 8
+# The vLLM releases this engine is built and tested against (pyproject.toml's vllm extra says the same)
+SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM_RELEASES = {(0, 32)}
+
+
+def vllm_version_problem(installed: str) -> str | None:
+    """One line naming the installed vLLM and the range grpokit runs on, when it lies outside; else None.
+    The engine reaches into vLLM's workers (weight reloads, its logits layer, its CPU collectives), which
+    change from release to release."""
+    from packaging.version import Version
+
+    if Version(installed).release[:2] in SUPPORTED_VLLM_RELEASES:
+        return None
+    return (f"rollout.engine=vllm: vLLM {installed} is installed, but grpokit runs on vllm{SUPPORTED_VLLM}: "
+            f"install it (`pip install 'vllm{SUPPORTED_VLLM}'`, or `make .venv-vllm` on CPU), or set rollout.engine=hf")
+
+
+def _check_config(rollout_config):
+    """At config time, without importing vllm: the installed release (vllm, or vllm-cpu) in the range."""
+    import importlib.metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            installed = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        problem = vllm_version_problem(installed)
+        if problem:
+            yield problem
+        return
 
 
 def _import_vllm():
@@ -143,11 +181,17 @@ class VLLMEngine:
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
+        problem = vllm_version_problem(vllm.__version__)
+        if problem:
+            raise ConfigError(problem)
+        # ids past the tokenizer: the trainer's head scores them GHOST_LOGIT, and so must vLLM's (below)
+        self._ghost_rows = ghost_rows(model, tokenizer, getattr(model, "name_or_path", "") or "the policy")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
             raise ValueError(f"rollout.kv_cache_gb must be > 0 (or unset to size from memory), got {kv_cache_gb}")
         self.tokenizer = tokenizer
+        note_ignored_sampling_defaults(model)  # said once, however the engine is built
         self.max_model_len = max_model_len
         self.kv_cache_gb = kv_cache_gb
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -224,12 +268,26 @@ class VLLMEngine:
             raise explained from err
         if self.launched and self._on_cpu:  # vLLM's start ends once every peer opened them: free the names
             vllm_cpu_shm.unlink_segments(_cpu_shm_segment_names())
+        if self._ghost_rows:
+            self._mask_ghost_logits(len(tokenizer))
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
         self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
         self._seed, self._pooled_calls = seed, 0  # seeds for unseeded requests under tensor parallelism
         if weights_dir is None:
             self.sync_weights(model)  # replace the placeholders with the policy's own weights
+
+    def _mask_ghost_logits(self, tokens: int) -> None:
+        """vLLM's logits at ids >= `tokens` become GHOST_LOGIT in every worker, before anything reads them:
+        sampling, its processed log-probs and prompt log-probs (the sync probe) all see the trainer's masked
+        distribution. (SamplingParams.allowed_token_ids would mask sampling alone, and checks its ~150,000
+        ids per request.)"""
+        masked = self.llm.collective_rpc(_mask_logits_past, args=(tokens,))
+        if not all(masked):
+            self.close()
+            raise RuntimeError(f"vLLM {self._vllm.__version__}: no LogitsProcessor layer found in the model of "
+                               f"architecture {self.architectures}, so its {self._ghost_rows} embedding rows past "
+                               "the tokenizer cannot be masked; use rollout.engine=hf for this model")
 
     # ---- generation ------------------------------------------------------------------
 
@@ -545,7 +603,7 @@ class VLLMEngine:
 
 
 @register_engine("vllm", copies_weights=True, package="vllm", install=_INSTALL_HINT, tensor_parallel=True,
-                 runs_in_worker=True)
+                 runs_in_worker=True, check=_check_config)
 def build_vllm_engine(rollout_config, model, tokenizer, seed, model_len, weights_dir) -> VLLMEngine:
     """A colocated VLLMEngine as the rollout config sizes it, in the policy's compute dtype (bf16
     over fp32 master weights: models/precision.py)."""
@@ -670,6 +728,22 @@ def _repack_cpu_shared_weights(worker) -> int:
             method.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def _mask_logits_past(worker, tokens: int) -> int:
+    """Make every LogitsProcessor layer of the worker's model write GHOST_LOGIT at ids >= `tokens`
+    (models/vocabulary.py); returns how many layers it masks. Runs inside the vLLM worker via collective_rpc."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    def hook(module, args, logits):
+        return None if logits is None else mask_logits_past(logits, tokens)
+
+    layers = [m for m in worker.model_runner.get_model().modules() if isinstance(m, LogitsProcessor)]
+    for layer in layers:
+        if getattr(layer, "_grpokit_masked_past", None) != tokens:
+            layer.register_forward_hook(hook)
+            layer._grpokit_masked_past = tokens
+    return len(layers)
 
 
 def _first_line(err: Exception) -> str:
