@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.data.templates import MESSAGES
 from grpokit.rewards.process import is_process_reward, run_process_reward
-from grpokit.rewards.registry import RewardFunction
+from grpokit.rewards.registry import RewardFunction, reward_function
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,12 @@ class WeightedReward:
     fn: RewardFunction
     weight: float = 1.0
     timeout_s: float | None = None  # None: run in the caller's thread with no time limit
+
+
+def configured_rewards(config, tokenizer=None) -> list[WeightedReward]:
+    """The config's rewards list, made; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
+    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
+            for r in config.rewards]
 
 
 class RewardTimeout(TimeoutError):
@@ -102,6 +109,18 @@ def _to_float(value) -> float:
     return x if math.isfinite(x) else math.nan
 
 
+def reads_text(fn) -> bool:
+    """grpokit's own rewards read a completion's text whatever the prompt's format; a user's
+    function gets completions as TRL gives them (a list of messages for conversational prompts)."""
+    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "")
+    return module.split(".")[0] == "grpokit"
+
+
+def assistant_messages(completions: list[str]) -> list[list[dict]]:
+    """Completions in TRL's conversational format: each one a list of one assistant message."""
+    return [[{"role": "assistant", "content": text}] for text in completions]
+
+
 def row_columns(rows: list[dict]) -> dict[str, list]:
     """Dataset rows -> the per-field lists reward functions receive as keyword arguments."""
     keys = [k for k in rows[0] if k != "prompt"] if rows else []
@@ -112,7 +131,9 @@ def score_completions(
     rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
 ) -> RewardResult:
     """Run every reward function on the batch. A function that raises, returns the wrong
-    number of scores, or gives None/NaN for a sample fails only those samples.
+    number of scores, or gives None/NaN for a sample fails only those samples. Rows with a
+    conversational prompt (columns' prompt_messages) give a user's function TRL's arguments for
+    that format: the prompts' messages, and each completion as [{"role": "assistant", "content": text}].
 
     A process reward (rewards/process.py) gives step_scores instead of a term of `total`; its
     per_function entry is each completion's mean step score. With no outcome reward beside it,
@@ -125,10 +146,15 @@ def score_completions(
     n = len(completions)
     total = torch.zeros(n, dtype=torch.float64)
     per_function, errors, timeouts, step_scores = {}, {}, {}, None
+    columns = dict(columns)
+    messages = columns.pop(MESSAGES, None)
+    conversational = bool(messages) and all(m is not None for m in messages)
     for spec in rewards:
         steps = None
         try:
-            raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=prompts, completions=completions, **columns)
+            as_trl = conversational and not reads_text(spec.fn)
+            raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=messages if as_trl else prompts,
+                                    completions=assistant_messages(completions) if as_trl else completions, **columns)
             if raw is None or len(raw) != n:
                 raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
             if process and spec.name == process[0]:
