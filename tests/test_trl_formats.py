@@ -146,12 +146,25 @@ def test_reward_weights_of_another_length_name_both_lengths(tmp_path):
 
 
 def test_plain_prompts_without_an_answer_need_the_users_rewards(tmp_path):
+    """...and what a reward logs through TRL's log_extra and log_metric lands in metrics.jsonl, beside
+    the completion_ids TRL's trainer passes too."""
     rows = [{"prompt": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(24)]
     with pytest.raises(ConfigError, match="no 'answer' column"):
         grpokit.train("tiny", dataset=rows, output_dir=tmp_path / "a", config=TINY)
-    run = grpokit.train("tiny", rewards=[lambda prompts, completions, solution, **kw:
-                                         [float(s in c) for c, s in zip(completions, solution)]],
-                        dataset=rows, output_dir=tmp_path / "b", progress=False,
+    lengths = []
+
+    def contains(prompts, completions, solution, completion_ids, log_extra=None, log_metric=None, **kwargs):
+        assert all(isinstance(c, str) for c in completions)  # plain prompts: plain strings
+        lengths.extend(len(ids) for ids in completion_ids)
+        log_extra("solution", list(solution))
+        log_metric("mean_tokens", sum(map(len, completion_ids)) / len(completion_ids))
+        return [float(s in c) for c, s in zip(completions, solution)]
+
+    run = grpokit.train("tiny", rewards=[contains], dataset=rows, output_dir=tmp_path / "b", progress=False,
                         config={**TINY, "grpo.max_steps": 1, "grpo.num_generations": 2,
                                 "grpo.max_completion_length": 8})
-    assert set(run.summary["heldout_reward_means"]["before"]) == {"reward_0"}
+    assert set(run.summary["heldout_reward_means"]["before"]) == {"contains"}
+    row = run.metrics[0]
+    assert len(row["rewards/contains/solution"]) == 2 * TINY["grpo.prompts_per_step"]
+    assert row["rewards/contains/mean_tokens"] == pytest.approx(row["completion/mean_length"])
+    assert 0 < max(lengths) <= 8

@@ -229,8 +229,9 @@ def evaluate_reward_means(engine, tokenizer, rows: list[dict], config: Config, p
     with progress_bar(total=len(rows), desc=f"{desc} (rewards)", unit="question",
                       enabled=progress and distributed.is_main()) as bar:
         greedy = generate_in_calls(engine, [r["prompt"] for r in rows], 1, params, bar)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in greedy]  # TRL's completion_ids
     scored = score_completions(configured_rewards(config, tokenizer), [r["prompt"] for r in rows], greedy,
-                               row_columns(rows))
+                               row_columns(rows), ids)
     n = len(rows)
     return EvalResult(math.nan, math.nan, math.nan, 0, n, greedy, [None] * n, time.perf_counter() - start,
                       reward_means=scored.function_means())
