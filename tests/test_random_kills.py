@@ -23,13 +23,15 @@ from grpokit.run.metrics import read_metrics
 
 SIZE = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--quiet"]
-SFT = ["--sft.max_steps=40", "--num_sft_examples=400", "--sft.warmup_steps=5", *SIZE]
+SFT = ["--sft.max_steps=20", "--num_sft_examples=200", "--sft.warmup_steps=5", *SIZE]
 RL = ["--grpo.max_steps=6", "--grpo.save_steps=2", "--prompts_per_step=4", "--num_generations=4",
-      "--max_completion_length=24", "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=0",
+      "--max_completion_length=24", "--num_rl_questions=200", "--num_eval_questions=8", "--eval.k=0", "--eval.tir=false",
       "--grpo.learning_rate=3e-4", "--grpo.warmup_steps=2", *SIZE]
 ASYNC = ["--rollout.mode=async", "--rollout.max_staleness=2", "--rollout.workers=1"]
-# Where the kills aim: each of these at least once, then random moments, 10 in all (>= 8 land).
-AIMS = ["sft", "config", "sampling", "update", "checkpoint", "random", "sampling", "update", "checkpoint", "random"]
+# Where the kills aim, in order: each of these at least once, and random moments. An aim the run outruns
+# (it ended first) is tried on the next command; the sampling, update and checkpoint kills send the run
+# back to its last checkpoint, so the run outruns at most the last aims.
+AIMS = ["sft", "config", "sampling", "random", "update", "checkpoint", "random", "sampling", "update", "checkpoint"]
 
 
 def comparable(rows):
@@ -103,8 +105,8 @@ def aim_trigger(aim: str, pipeline: Pipeline, proc, rng: random.Random, timings:
         step = timings["rollout"] + timings["scoring"]
         time.sleep(rng.uniform(0.1, 0.9) * (timings["rollout"] if aim == "sampling" else timings["update"])
                    + (step if aim == "update" else 0.0))
-    else:
-        time.sleep(rng.uniform(0.5, 1.0) * timings["total"])
+    else:  # early enough that a resumed run has not finished yet
+        time.sleep(rng.uniform(0.1, 0.6) * timings["total"])
     return running()
 
 
@@ -114,11 +116,13 @@ def drive(pipeline: Pipeline, seed: int, timings: dict, kill_worker: bool) -> li
     landed, aims = [], list(AIMS)
     command, stage = pipeline.sft_command(), "sft"
     while True:
+        if aims and aims[0] == "sft" and stage != "sft":
+            aims.pop(0)  # SFT ended before its kill: no second chance
         proc = start(*command)
         aim = aims[0] if aims and (aims[0] == "sft") == (stage == "sft") else None
         if aim is not None:
-            aims.pop(0)
-            if aim_trigger(aim, pipeline, proc, rng, timings):
+            if aim_trigger(aim, pipeline, proc, rng, timings):  # an aim the run outran is tried again
+                aims.pop(0)
                 victim = proc.pid
                 if kill_worker and aim in ("random", "update") and stage == "train":
                     found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "rollout-worker"],

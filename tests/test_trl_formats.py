@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import grpokit
+from grpokit.pipeline.api import _dataset_source
 from grpokit.config import ConfigError
 from grpokit.data.files import DatasetError
 from grpokit.data.templates import MESSAGES, render_messages
@@ -168,3 +169,9 @@ def test_plain_prompts_without_an_answer_need_the_users_rewards(tmp_path):
     assert len(row["rewards/contains/solution"]) == 2 * TINY["grpo.prompts_per_step"]
     assert row["rewards/contains/mean_tokens"] == pytest.approx(row["completion/mean_length"])
     assert 0 < max(lengths) <= 8
+
+
+def test_a_datasets_dataset_of_conversations_is_read_as_its_rows():
+    datasets = pytest.importorskip("datasets")
+    rows = conversational_rows(3)
+    assert _dataset_source(datasets.Dataset.from_list(rows), needs_answer=False) == (rows, "")
