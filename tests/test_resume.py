@@ -124,11 +124,13 @@ def test_resume_where_no_run_started_says_so(tmp_path):
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_beginning(tmp_path):
     """The command each error names succeeds: the run directory holds a run, so a new start is refused
     and names --resume; --resume, with no checkpoint to continue, starts the run again with its saved
-    config and says so in one line; it ends as a run never interrupted. (A small fresh model: 2 steps.)"""
-    model = "--model.tiny.hidden_size=32"
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    cli("train", model, f"--output_dir={straight}", "--grpo.max_steps=2", *RUN)
-    proc = start("train", model, f"--output_dir={killed}", "--grpo.max_steps=2", *RUN)
+    config and says so in one line. (That it then ends as a run never interrupted: test_random_kills.py.)"""
+    small = ["--model.tiny.hidden_size=16", "--model.tiny.num_layers=1", "--model.tiny.num_heads=2",
+             "--model.tiny.intermediate_size=32", "--grpo.max_steps=1", "--prompts_per_step=2", "--num_generations=2",
+             "--max_completion_length=4", "--num_rl_questions=16", "--num_eval_questions=2", "--eval.k=0",
+             "--eval.tir=false", "--quiet"]
+    killed = tmp_path / "killed"
+    proc = start("train", f"--output_dir={killed}", *small)
     deadline = time.monotonic() + 120
     while not (killed / "config.yaml").is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -142,9 +144,8 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_beginning(tmp
     resumed = cli("train", str(killed / "config.yaml"), "--resume")
     said = [line for line in resumed.stderr.splitlines() if "has no checkpoint yet" in line]
     assert len(said) == 1 and "starting it from the beginning with its saved config" in said[0]
-    assert comparable(read_metrics(killed / "metrics.jsonl")) == comparable(read_metrics(straight / "metrics.jsonl"))
-    a, b = (load_file(run / "checkpoints" / "step-2" / "model.safetensors") for run in (straight, killed))
-    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == [1]
+    assert verify_checkpoint(killed / "checkpoints" / "step-1") == []
 
 
 def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path):
