@@ -4,6 +4,7 @@ reward_weights) ported by changing only the import, the trainer call and the key
 (no `answer`), whose held-out evaluation reports each reward's mean; and the one-line refusals of bad input."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def test_the_same_rows_as_jsonl_train_from_the_command_line(tmp_path):
     cli("train", f"--output_dir={tmp_path / 'run'}", f"--data.sources=[{{path: {data}}}]", f"--rewards={reward}",
         "--grpo.max_steps=2", "--grpo.num_generations=4", "--grpo.max_completion_length=16", "--model.tiny.alphabet=ascii",
         "--quiet", *(f"--{k}={json.dumps(v)}" for k, v in TINY.items()),
-        env={**__import__("os").environ, "PYTHONPATH": f"{Path(__file__).parent}:{__import__('os').environ.get('PYTHONPATH', '')}"})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and "rewards/test_trl_formats:format_reward" in rows[0]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
