@@ -15,6 +15,8 @@ from grpokit.run.checkpoint import save_checkpoint
 from grpokit.run.metrics import read_metrics
 from test_docs import code_blocks
 
+CHAT_TEMPLATE = Path(__file__).parent / "fixtures" / "plain_chat_template.jinja"
+
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "from-trl.md"
 MODEL = '"Qwen/Qwen2.5-0.5B-Instruct"'
 
@@ -77,3 +79,45 @@ def test_the_trl_script_runs(tiny, tmp_path, monkeypatch):
         'bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True'})
     assert ns["trainer"].state.global_step == 2
     assert any("reward" in log for log in ns["trainer"].state.log_history)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    """The tiny model with a chat template (its character tokenizer has none), for the conversational twins."""
+    tokenizer = build_char_tokenizer(ASCII_ALPHABET)
+    tokenizer.chat_template = CHAT_TEMPLATE.read_text()
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0)
+    return repr(str(save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("tiny-chat") / "model")))
+
+
+def test_the_conversational_twins_differ_only_in_the_import_the_call_and_the_keys():
+    trl, ours = twin("runs/trl-chat"), twin("runs/grpokit-chat")
+    head = lambda text: text.split("SYSTEM =")[0].replace("from datasets import Dataset\n", "")  # noqa: E731
+    assert head(trl).replace("from trl import GRPOConfig, GRPOTrainer", "import grpokit") == head(ours)
+    assert "reward_weights=[1.0, 0.5]" in trl and "reward_weights=[1.0, 0.5]" in ours
+    assert 'completion[0]["content"]' in ours and '"role": "system"' in ours
+
+
+def test_the_conversational_grpokit_twin_runs(tiny_chat, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ns = run_script(twin("runs/grpokit-chat"), {
+        MODEL: tiny_chat, '"grpo.max_steps": 200': '"grpo.max_steps": 2, "eval.k": 0, "eval.tir": False',
+        '"grpo.num_generations": 8': '"grpo.num_generations": 2', '"grpo.prompts_per_step": 8': '"grpo.prompts_per_step": 2',
+        '"grpo.max_completion_length": 256': '"grpo.max_completion_length": 8'})
+    run = ns["run"]
+    assert [r["step"] for r in run.metrics] == [1, 2]
+    assert [r.weight for r in run.config.rewards] == [1.0, 0.5]
+    assert len(run.summary["heldout_reward_means"]["after"]) == 2  # no answer column: each reward's mean
+
+
+def test_the_conversational_trl_script_runs(tiny_chat, tmp_path, monkeypatch):
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        pytest.skip("TRL is not installed here: pip install -e '.[bench]' runs the TRL half of the page")
+    monkeypatch.chdir(tmp_path)
+    ns = run_script(twin("runs/trl-chat"), {
+        MODEL: tiny_chat, "max_steps=200": "max_steps=2", "num_generations=8": "num_generations=2",
+        "per_device_train_batch_size=64": "per_device_train_batch_size=4", "max_completion_length=256":
+        "max_completion_length=8", 'GRPOConfig(output_dir="runs/trl-chat"': 'GRPOConfig(output_dir="runs/trl-chat", '
+        'use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True'})
+    assert ns["trainer"].state.global_step == 2
+    assert any("rewards/format_reward/mean" in log for log in ns["trainer"].state.log_history)

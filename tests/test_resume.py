@@ -112,9 +112,40 @@ def test_resume_with_a_changed_config_is_refused_unless_forced(sft_checkpoint, t
     assert read_metrics(run / "metrics.jsonl")[-1]["step"] == 3
 
 
-def test_resume_without_a_checkpoint_says_so(tmp_path):
+def test_resume_where_no_run_started_says_so(tmp_path):
     proc = cli("train", f"--output_dir={tmp_path}", "--resume", "--quiet", check=False)
-    assert proc.returncode == 1 and "no intact checkpoint" in proc.stderr
+    assert proc.returncode == 1 and "nothing to resume in" in proc.stderr and "start it without --resume" in proc.stderr
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = cli("train", f"--output_dir={tmp_path}", "--resume", "--quiet", check=False)
+    assert proc.returncode == 1 and "holds no grpokit run (notes.txt)" in proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_beginning(tmp_path):
+    """The command each error names succeeds: the run directory holds a run, so a new start is refused
+    and names --resume; --resume, with no checkpoint to continue, starts the run again with its saved
+    config and says so in one line. (That it then ends as a run never interrupted: test_random_kills.py.)"""
+    small = ["--model.tiny.hidden_size=16", "--model.tiny.num_layers=1", "--model.tiny.num_heads=2",
+             "--model.tiny.intermediate_size=32", "--grpo.max_steps=1", "--prompts_per_step=2", "--num_generations=2",
+             "--max_completion_length=4", "--num_rl_questions=16", "--num_eval_questions=2", "--eval.k=0",
+             "--eval.tir=false", "--quiet"]
+    killed = tmp_path / "killed"
+    proc = start("train", f"--output_dir={killed}", *small)
+    deadline = time.monotonic() + 120
+    while not (killed / "config.yaml").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (killed / "checkpoints").exists()  # killed before any checkpoint
+    again = cli("train", str(killed / "config.yaml"), check=False)
+    assert again.returncode == 1 and "continue it with --resume" in again.stderr
+    changed = cli("train", str(killed / "config.yaml"), "--resume", "--grpo.beta=0.1", check=False)
+    assert changed.returncode == 2 and "grpo.beta: 0.04 -> 0.1" in changed.stderr and "--force" in changed.stderr
+    resumed = cli("train", str(killed / "config.yaml"), "--resume")
+    said = [line for line in resumed.stderr.splitlines() if "has no checkpoint yet" in line]
+    assert len(said) == 1 and "starting it from the beginning with its saved config" in said[0]
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == [1]
+    assert verify_checkpoint(killed / "checkpoints" / "step-1") == []
 
 
 def test_a_second_trainer_on_the_same_run_directory_is_refused(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 import sys
 import typing
@@ -301,4 +302,9 @@ def _merge(base: dict, layer: dict) -> dict:
 
 
 def save_config(config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write the config whole or not at all (a run killed mid-write keeps the config it had: the
+    resume command reads it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    os.replace(tmp, path)

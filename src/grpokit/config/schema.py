@@ -218,6 +218,8 @@ class DataConfig:
                                "or a custom string containing {question}")
     chat_template: Literal["auto", "on", "off"] = opt(
         "auto", "wrap the prompt in the tokenizer's chat template: auto (when it has one), on, off")
+    chat_template_file: str = opt("", "a Jinja chat template file the tokenizer uses instead of its own (or as its "
+                                      "only one: conversational prompts need one); empty = the tokenizer's")
     system_prompt: str = opt("", "optional system message")
     plain_layout: Literal["bare", "user-assistant"] = opt(
         "bare", "a prompt's layout without a chat template: bare (the instruction and a newline) or user-assistant "

@@ -1,7 +1,8 @@
 """Prompt datasets from JSONL, JSON or Parquet files, checked row by row before any model loads.
 
 Each row becomes {"prompt": ..., "answer": ..., **the row's other columns}; the other columns
-reach reward functions as keyword arguments, as in TRL. Every problem names the file, the line
+reach reward functions as keyword arguments, as in TRL. A prompt is text, or TRL's conversational
+format: a list of {"role", "content"} messages. Every problem names the file, the line
 (JSONL) or row index (JSON, Parquet) and the column, and says how to fix it.
 """
 
@@ -156,8 +157,31 @@ def _record_problem(where: str, record: object, prompt_column: str, answer_colum
     missing = [c for c in (prompt_column, answer_column) if c and c not in record]
     if missing:
         return f"{where}: no column {missing[0]!r} (the row has {sorted(record)}); {fixes.columns}"
+    if isinstance(record[prompt_column], list):  # TRL's conversational format
+        return message_problem(where, prompt_column, record[prompt_column])
     if not isinstance(record[prompt_column], str) or not record[prompt_column].strip():
         return f"{where}: column {prompt_column!r} is empty or not text ({record[prompt_column]!r})"
+    return None
+
+
+def is_conversation(prompt) -> bool:
+    """A prompt in TRL's conversational format: a list of {"role", "content"} messages."""
+    return isinstance(prompt, list)
+
+
+def message_problem(where: str, column: str, messages: list) -> str | None:
+    """What keeps a conversational prompt from being one (no messages, a message without a text
+    `role` or `content`), naming the row and the field; None when it is one."""
+    if not messages:
+        return f"{where}: column {column!r} is an empty list of messages; give at least one {{'role', 'content'}} message"
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return (f"{where}: {column}[{j}] is a {type(message).__name__}, not a message: give "
+                    f"{{'role': ..., 'content': ...}}")
+        for field_ in ("role", "content"):
+            if not isinstance(message.get(field_), str):
+                return (f"{where}: {column}[{j}] has no text {field_!r} (its keys: {', '.join(map(str, message)) or 'none'}); "
+                        "each message needs a 'role' and a 'content'")
     return None
 
 

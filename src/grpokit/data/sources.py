@@ -5,7 +5,10 @@ format that says where the question and the reference answer live:
   math   problem, solution ("... \\boxed{x}"), optional answer -> the answer field, else the last boxed
   plain  prompt_column, answer_column as given
 
-RL rows: {"prompt": rendered prompt, "answer": reference, **the source's columns}.
+RL rows: {"prompt": rendered prompt, "answer": reference (None for prompt-only rows, which the
+user's rewards score), **the source's columns}; a conversational prompt (TRL's list of
+{"role", "content"} messages) is rendered with the chat template and kept as the row's
+"prompt_messages", which reward functions receive as their `prompts`.
 SFT rows: {"prompt": rendered prompt, "completion": the worked solution}.
 """
 
@@ -22,10 +25,11 @@ from grpokit.data.files import (
     Fixes,
     LoadedRows,
     check_records,
+    is_conversation,
     read_file_records,
     read_hub_dataset,
 )
-from grpokit.data.templates import render_prompt
+from grpokit.data.templates import MESSAGES, last_user_text, render_messages, render_prompt
 
 FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"), "plain": ("prompt", "answer")}
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
@@ -40,10 +44,12 @@ def detect_format(record: dict) -> str:
 
 
 def load_source(source, skip_malformed: bool = False, read_reference: Callable[[dict, str, str], str] | None = None,
-                fixes: Fixes = TRAINING_FIXES) -> tuple[LoadedRows, str]:
+                fixes: Fixes = TRAINING_FIXES, needs_answer: bool = True) -> tuple[LoadedRows, str]:
     """(rows with the raw columns checked, and their reference answers; resolved format) of one
     DataSource config. read_reference(row, format, answer column) reads a row's reference
-    (default: reference_answer); a row it cannot read is malformed like any other."""
+    (default: reference_answer); a row it cannot read is malformed like any other. Without
+    `needs_answer` (the run's rewards are the user's own), plain rows may come without an answer
+    column: their reference is None."""
     if bool(source.path) == bool(source.name):
         raise DatasetError("each data source needs exactly one of path (a local file) or name (a datasets name)")
     if source.path:
@@ -58,9 +64,11 @@ def load_source(source, skip_malformed: bool = False, read_reference: Callable[[
     default_prompt, default_answer = FORMAT_COLUMNS[fmt]
     prompt_column = source.prompt_column or default_prompt
     answer_column = source.answer_column or default_answer
+    if not needs_answer and fmt == "plain" and not source.answer_column and answer_column not in first:
+        answer_column = None  # prompt-only rows: the user's rewards read what they need
     read = read_reference or reference_answer
     loaded = check_records(records, skipped, where, prompt_column, answer_column, skip_malformed,
-                           lambda row: read(row, fmt, answer_column), fixes)
+                           lambda row: read(row, fmt, answer_column) if answer_column else None, fixes)
     for row in loaded.rows:
         row["question"] = row["prompt"]  # the raw question, before any template
     return loaded, fmt
@@ -94,14 +102,21 @@ def say_skipped(loaded: LoadedRows, where: str) -> None:
 
 
 def build_rows(sources, data_config, tokenizer, sft: bool = False) -> list[dict]:
-    """All sources' rows, prompts rendered with the template; problems reported on stderr."""
+    """All sources' rows, prompts rendered with the template (a conversational prompt, with the
+    tokenizer's chat template alone, as TRL does); problems reported on stderr. Whether rows need
+    an answer was checked before (check_sources); one without has the answer None."""
     out = []
     for source in sources:
-        loaded, fmt = load_source(source, data_config.skip_malformed_lines)
+        loaded, fmt = load_source(source, data_config.skip_malformed_lines, needs_answer=sft)
         say_skipped(loaded, source.path or source.name)
-        for row, reference in zip(loaded.rows, loaded.references, strict=True):
-            prompt = render_prompt(row["question"], tokenizer, data_config.template, data_config.chat_template,
-                                   data_config.system_prompt, data_config.plain_layout)
+        for i, (row, reference) in enumerate(zip(loaded.rows, loaded.references, strict=True)):
+            if is_conversation(row["prompt"]):
+                messages = row["prompt"]
+                prompt = render_messages(messages, tokenizer, f"{source.path or source.name} row {i}")
+                row = {**row, MESSAGES: messages, "question": last_user_text(messages)}
+            else:
+                prompt = render_prompt(row["question"], tokenizer, data_config.template, data_config.chat_template,
+                                       data_config.system_prompt, data_config.plain_layout)
             if sft:
                 out.append({"prompt": prompt, "completion": worked_solution(row, fmt, source.completion_column)})
             else:
@@ -109,10 +124,11 @@ def build_rows(sources, data_config, tokenizer, sft: bool = False) -> list[dict]
     return out
 
 
-def check_sources(sources, skip_malformed: bool) -> None:
-    """Read and validate every source (no tokenizer needed): run before any model loads."""
+def check_sources(sources, skip_malformed: bool, needs_answer: bool = True) -> None:
+    """Read and validate every source (no tokenizer needed): run before any model loads.
+    `needs_answer`: rows must carry a reference answer (the task's own reward grades against it)."""
     for source in sources:
-        load_source(source, skip_malformed)
+        load_source(source, skip_malformed, needs_answer=needs_answer)
 
 
 def long_prompts_note(affected: int, total: int, what: str, data_config) -> str:

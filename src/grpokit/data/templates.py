@@ -5,6 +5,11 @@ laid out as plain text. Training, in-run evaluation and `grpokit eval` all rende
 
 from __future__ import annotations
 
+from grpokit.data.files import DatasetError
+
+# A conversational row's messages, beside its rendered "prompt": what reward functions receive as prompts.
+MESSAGES = "prompt_messages"
+
 # DeepSeekMath's chain-of-thought and tool-integrated instructions (paper, sec. 2.3 / 4.1, Table 5).
 COT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TIR_INSTRUCTION = (
@@ -70,3 +75,28 @@ def adds_bos(tokenizer) -> bool:
         return False
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return bool(ids) and ids[0] == bos_id and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos_id]
+
+
+def render_messages(messages: list[dict], tokenizer, where: str) -> str:
+    """A conversational prompt (TRL's list of {"role", "content"} messages) as the policy reads it:
+    the tokenizer's chat template with the generation prompt, nothing added (as TRL renders it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DatasetError(
+            f"{where}: its prompt is a list of messages, which needs a chat template, and the tokenizer of "
+            f"{name!r} has none: give one with data.chat_template_file=TEMPLATE.jinja, or give the prompt as text "
+            "(laid out by data.template and data.plain_layout)")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # jinja2's TemplateError: a role or an order the template refuses
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        raise DatasetError(f"{where}: field 'prompt' (roles {roles}): the chat template of "
+                                f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'} rejects it "
+                                f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                                "give roles it accepts (system, user, assistant)") from None
+
+
+def last_user_text(messages: list[dict]) -> str:
+    """The question of a conversational prompt: its last user message (else its last message)."""
+    users = [m["content"] for m in messages if m.get("role") == "user"]
+    return (users or [messages[-1]["content"]])[-1]

@@ -16,6 +16,7 @@ from grpokit.eval.tir import Timings, rollouts
 from grpokit.tools.python import OUTPUT_STOP
 from grpokit.tools.python import PythonTool
 from grpokit.run.progress import progress as progress_bar
+from grpokit.rewards.scoring import configured_rewards, row_columns, score_completions
 from grpokit.rollout import HFEngine, SamplingParams, max_model_len
 from grpokit.tools.sandbox import namespaces_available
 
@@ -31,9 +32,14 @@ class EvalResult:
     greedy_correct: list[bool] = field(default_factory=list, repr=False)  # each greedy completion, by the grading rule
     greedy_seconds: float = 0.0  # generating and grading the greedy completions
     tir: TIRResult | None = None  # the same questions with tool-integrated reasoning, when evaluated
+    # questions without a reference answer: each reward's mean over the greedy completions (no accuracy)
+    reward_means: dict[str, float] | None = None
 
     def headline(self) -> str:
-        """"greedy accuracy X%, pass@k Y%"; greedy alone when no samples were drawn (k = 0)."""
+        """"greedy accuracy X%, pass@k Y%"; greedy alone when no samples were drawn (k = 0); each
+        reward's mean where the questions have no reference answer."""
+        if self.reward_means is not None:
+            return "mean reward " + ", ".join(f"{name} {value:.3f}" for name, value in self.reward_means.items())
         return f"greedy accuracy {self.greedy_accuracy:.1%}" + (f", pass@{self.k} {self.pass_at_k:.1%}" if self.k else "")
 
     def as_dict(self) -> dict:
@@ -198,6 +204,8 @@ def evaluate_task(task, model, tokenizer, rows: list[dict], config: Config, engi
     `progress`, one bar counts every pass over the questions: greedy, k samples, TIR."""
     e = config.eval
     engine = engine or HFEngine(model, tokenizer)
+    if config.rewards and any(r.get("answer") is None for r in rows):
+        return evaluate_reward_means(engine, tokenizer, rows, config, progress, desc)
     tir_rows = task.tir_rows(rows, tokenizer) if e.tir else None
     passes = 1 + bool(e.k) + bool(tir_rows)
     with progress_bar(total=passes * len(rows), desc=f"{desc} ({passes} passes)", unit="question",
@@ -210,6 +218,23 @@ def evaluate_task(task, model, tokenizer, rows: list[dict], config: Config, engi
                                       config.grpo.max_completion_length, engine_model_len(engine, config, model),
                                       e.max_tool_calls, e.tool_timeout_s, e.batch_size, bar=bar)
     return result
+
+
+def evaluate_reward_means(engine, tokenizer, rows: list[dict], config: Config, progress: bool = False,
+                          desc: str = "held-out eval") -> EvalResult:
+    """Questions without a reference answer (prompt-only rows the user's rewards score): greedy
+    completions, scored by the run's rewards; each reward's mean over the questions it scored."""
+    start = time.perf_counter()
+    params = SamplingParams(config.grpo.max_completion_length, 0.0, 1.0, config.eval.batch_size)
+    with progress_bar(total=len(rows), desc=f"{desc} (rewards)", unit="question",
+                      enabled=progress and distributed.is_main()) as bar:
+        greedy = generate_in_calls(engine, [r["prompt"] for r in rows], 1, params, bar)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in greedy]  # TRL's completion_ids
+    scored = score_completions(configured_rewards(config, tokenizer), [r["prompt"] for r in rows], greedy,
+                               row_columns(rows), ids)
+    n = len(rows)
+    return EvalResult(math.nan, math.nan, math.nan, 0, n, greedy, [None] * n, time.perf_counter() - start,
+                      reward_means=scored.function_means())
 
 
 def engine_model_len(engine, config: Config, model) -> int:

@@ -28,6 +28,7 @@ from transformers.utils import logging as hf_logging
 
 from grpokit.checks import load_config  # the config with its names checked against the registries
 from grpokit.config import Config, ConfigError, resolve_key
+from grpokit.data.files import is_conversation, message_problem
 from grpokit.models.loading import check_model_config
 from grpokit.pipeline import stages
 from grpokit.rewards.registry import get_reward_function, register_reward, reward_names, unregister_reward
@@ -54,7 +55,8 @@ class Run:
 
 
 def train(model: str = TINY, rewards: Iterable | str | Callable | None = None, dataset=None,
-          config: Mapping | None = None, *, output_dir: str | os.PathLike | None = None, seed: int | None = None,
+          config: Mapping | None = None, *, reward_weights: Iterable[float] | None = None,
+          output_dir: str | os.PathLike | None = None, seed: int | None = None,
           overwrite: bool = False, progress: bool = True) -> Run:
     """Train `model` with GRPO (or what config's algo names) and return the run.
 
@@ -64,8 +66,14 @@ def train(model: str = TINY, rewards: Iterable | str | Callable | None = None, d
         TRL-style functions fn(prompts, completions, **columns) -> list[float | None]; a function
         that raises is counted in rewards/failed as on the command line, and the run stops only
         when a reward fails every sample for grpo.max_failed_steps steps. Default: the task's own.
+    reward_weights: one weight per reward, in the order of `rewards` (TRL's GRPOConfig.reward_weights);
+        default 1.0 each.
     dataset: a list of dicts with "prompt" and "answer", a `datasets.Dataset` of them, or a
-        JSONL/JSON/Parquet path (read as `data.sources`). Default: the built-in chain task.
+        JSONL/JSON/Parquet path (read as `data.sources`). Default: the built-in chain task. A prompt
+        is text, or TRL's conversational format (a list of {"role", "content"} messages, rendered
+        with the chat template; rewards then get each completion as [{"role": "assistant",
+        "content": text}]). With `rewards` of your own, rows need no "answer": held-out evaluation
+        then reports each reward's mean before and after RL.
     config: overrides by dotted key, as the command line's --key=value: {"grpo.beta": 0.1}.
     output_dir: the run directory; default runs/train (or runs/train-N), as the command line. A
         directory holding a run is refused unless `overwrite` (it is never overwritten otherwise).
@@ -80,19 +88,25 @@ def train(model: str = TINY, rewards: Iterable | str | Callable | None = None, d
         given["seed"] = int(seed)
     registered: list[str] = []  # the caller's functions, registered for this run only
     try:
-        return _train(model, rewards, dataset, given, overwrite, progress, registered)
+        return _train(model, rewards, dataset, given, overwrite, progress, registered, reward_weights)
     finally:
         for name in registered:
             unregister_reward(name)
 
 
-def _train(model, rewards, dataset, given: dict, overwrite: bool, progress: bool, registered: list[str]) -> Run:
+def _train(model, rewards, dataset, given: dict, overwrite: bool, progress: bool, registered: list[str],
+           reward_weights=None) -> Run:
     command = "demo" if model == DEMO else "train"
     if rewards is not None:
-        given["rewards"] = [{"name": name} for name in reward_config_names(rewards, registered)]
+        names = reward_config_names(rewards, registered)
+        weights = _weights(reward_weights, len(names))
+        given["rewards"] = [{"name": name, "weight": w} for name, w in zip(names, weights)]
+    elif reward_weights is not None:
+        raise ConfigError("reward_weights= weighs the rewards= functions, and rewards= is not given: pass rewards=[...] "
+                          "in the order of the weights")
     rows = None
     if dataset is not None:
-        rows, source = _dataset_source(dataset)
+        rows, source = _dataset_source(dataset, needs_answer=rewards is None)
         if model == TINY and not given.keys() & {"model.name_or_path", "model.tiny.alphabet"}:
             given["model.tiny.alphabet"] = "ascii"  # the built-in task's characters cannot spell text
     if given.get("output_dir"):
@@ -201,8 +215,23 @@ def _registered_name(fn, index: int) -> str:
     return name
 
 
-def _dataset_source(dataset) -> tuple[list[dict] | None, str]:
-    """(rows to write, or None for a file; the file's path): a path as it is, rows checked."""
+def _weights(reward_weights, count: int) -> list[float]:
+    """TRL's reward_weights: one number per reward, in the order of rewards=; default 1.0 each."""
+    if reward_weights is None:
+        return [1.0] * count
+    weights = [reward_weights] if isinstance(reward_weights, (int, float)) else list(reward_weights)
+    if len(weights) != count:
+        raise ConfigError(f"reward_weights has {len(weights)} weight{'s' * (len(weights) != 1)} and rewards has "
+                          f"{count} reward{'s' * (count != 1)}: give one weight per reward, in the order of rewards")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise ConfigError(f"reward_weights[{i}] is {w!r}, not a number")
+    return [float(w) for w in weights]
+
+
+def _dataset_source(dataset, needs_answer: bool = True) -> tuple[list[dict] | None, str]:
+    """(rows to write, or None for a file; the file's path): a path as it is, rows checked. A
+    prompt is text or a list of messages; `needs_answer`: the task's own reward grades the rows."""
     if isinstance(dataset, (str, os.PathLike)):
         if not Path(dataset).is_file():
             raise ConfigError(f"dataset={str(dataset)!r} is no file: pass a JSONL/JSON/Parquet path, a list of dicts "
@@ -215,13 +244,21 @@ def _dataset_source(dataset) -> tuple[list[dict] | None, str]:
     rows = list(rows)
     if not rows:
         raise ConfigError("dataset is empty: pass rows with a 'prompt' and an 'answer' column")
+    columns = (("prompt", "the text or the messages the policy completes"),
+               ("answer", "the reference the task's own reward grades against; rewards of your own need none"))
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise ConfigError(f"dataset row {i} is a {type(row).__name__}, not a dict: pass rows like "
                               "{'prompt': ..., 'answer': ...}")
-        for column, why in (("prompt", "the text the policy completes"),
-                            ("answer", "the reference the task grades held-out completions against")):
-            if not isinstance(row.get(column), (str, int, float)) or str(row.get(column)).strip() == "":
+        if is_conversation(row.get("prompt")):
+            problem = message_problem(f"dataset row {i}", "prompt", list(row["prompt"]))
+            if problem:
+                raise ConfigError(problem)
+        unchecked = {"prompt"} if is_conversation(row.get("prompt")) else set()  # its messages were checked
+        if not needs_answer:
+            unchecked.add("answer")
+        for column, why in columns:
+            if column not in unchecked and not isinstance(row.get(column), (str, int, float)) or str(row.get(column)).strip() == "":
                 raise ConfigError(f"dataset row {i} has no {column!r} column ({why}; its columns: "
                                   f"{', '.join(map(str, row)) or 'none'}): add it, or rename the column that "
                                   f"holds it to {column!r}")

@@ -22,9 +22,8 @@ from grpokit.models.value import trained_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rewards.learned import load_reward_model, new_reward_model
 from grpokit.rewards.likelihood_prm import LikelihoodProcessRewardModel
-from grpokit.rewards.registry import reward_function
 from grpokit.rewards.scorers import as_scorer
-from grpokit.rewards.scoring import row_columns, score_completions
+from grpokit.rewards.scoring import configured_rewards, row_columns, score_completions
 from grpokit.rollout import make_engine
 from grpokit.tasks import Task
 from grpokit.train.grpo import GRPOTrainer
@@ -44,8 +43,7 @@ def seed_everything(seed: int) -> None:
 
 def build_rewards(config: Config, tokenizer=None) -> list[WeightedReward]:
     """The configured rewards; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
-    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
-            for r in config.rewards]
+    return configured_rewards(config, tokenizer)
 
 
 def load_policy(config: Config, path: str | None = None, trainable: bool = True):
@@ -55,9 +53,10 @@ def load_policy(config: Config, path: str | None = None, trainable: bool = True)
     m = config.model
     master = m.master_dtype if trainable else "same"
     if path or m.name_or_path:
-        return load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
-                                        m.trust_remote_code, master_dtype=master, eos_token=m.eos_token,
-                                        chat_template=config.data.chat_template)
+        model, tokenizer = load_model_and_tokenizer(path or m.name_or_path, m.dtype, m.device, m.attn_implementation,
+                                                    m.trust_remote_code, master_dtype=master, eos_token=m.eos_token,
+                                                    chat_template=config.data.chat_template)
+        return model, with_chat_template_file(tokenizer, config.data.chat_template_file)
     t = m.tiny
     alphabets = {"arithmetic-tir": arithmetic.TIR_ALPHABET, "arithmetic": arithmetic.ALPHABET, "ascii": ASCII_ALPHABET}
     tokenizer = build_char_tokenizer(alphabets[t.alphabet])
@@ -65,7 +64,17 @@ def load_policy(config: Config, path: str | None = None, trainable: bool = True)
                              t.intermediate_size, seed=config.seed)
     device = resolve_device(m.device)
     precision = resolve_precision(m.dtype, master, device)
+    tokenizer = with_chat_template_file(tokenizer, config.data.chat_template_file)
     return set_compute_dtype(model.to(device=device, dtype=precision.master), precision.compute), tokenizer
+
+
+def with_chat_template_file(tokenizer, path: str):
+    """`tokenizer` with data.chat_template_file's template as its chat template (when set)."""
+    if path:
+        if not Path(path).is_file():
+            raise ConfigError(f"data.chat_template_file={path!r} is no file: give a Jinja chat template file")
+        tokenizer.chat_template = Path(path).read_text()
+    return tokenizer
 
 
 def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:

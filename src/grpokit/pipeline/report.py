@@ -27,8 +27,24 @@ def stage_times(summary: dict, algo: str) -> str:
         + f"; total {summary['wall_seconds']:.0f}s"
 
 
+def reward_means_table(before, after, algo: str = "grpo") -> str:
+    """Questions without a reference answer: the before/after table of each reward's mean."""
+    width = max([16, *map(len, after.reward_means)])
+    lines = [f"held-out questions: {after.num_questions} (no reference answers: each reward's mean on the greedy "
+             "completions)", f"{'reward':<{width}} {'before':>8} {algo.upper():>8} {'change':>8}"]
+    for reward, a in after.reward_means.items():
+        b = (before.reward_means or {}).get(reward) if before is not None else None
+        known = b is not None and not math.isnan(b)
+        lines.append(f"{reward:<{width}} {(f'{b:.3f}' if known else '-'):>8} {a:>8.3f} "
+                     f"{(f'{a - b:+.3f}' if known and not math.isnan(a) else ''):>8}")
+    return "\n".join(lines)
+
+
 def format_table(task, before, after, algo: str = "grpo") -> str:
-    """The before/after table of held-out accuracy (and the task's own rates)."""
+    """The before/after table of held-out accuracy (and the task's own rates), or of each reward's
+    mean where the questions have no reference answer."""
+    if after.reward_means is not None:
+        return reward_means_table(before, after, algo)
     k, name = after.k, algo.upper()
     rates = [(key, task.report(before)[key] if before else None, value) for key, value in task.report(after).items()]
     rows = [("greedy accuracy", before and before.greedy_accuracy, after.greedy_accuracy),
@@ -80,6 +96,8 @@ def report_results(config: Config, task, run_dir: Path, history: list[dict], bef
     history = (read_metrics(logged) if logged.is_file() else []) or history
     table = format_table(task, before, after, config.algo)
     print(table)
+    if after.reward_means is not None:
+        return _report_reward_means(config, run_dir, history, table, before, after)
     if after.tir is not None:
         tir, cot_s = after.tir, after.greedy_seconds
         ratio = f"{tir.seconds / cot_s:.1f}x CoT greedy's {cot_s:.1f}s; " if cot_s > 0 else ""
@@ -114,3 +132,16 @@ def report_results(config: Config, task, run_dir: Path, history: list[dict], bef
                     "improvement_points": 100 * (after.greedy_accuracy - before.greedy_accuracy),
                     **{f"sft_{key.replace(' ', '_')}": value for key, value in task.report(before).items()}})
     return out
+
+
+def _report_reward_means(config: Config, run_dir: Path, history: list[dict], table: str, before, after) -> dict:
+    """The report of questions without reference answers: the table, the reward curve, and the
+    summary's held-out reward means before and after RL."""
+    print(f"held-out {after.headline()}")
+    if distributed.is_main():
+        (run_dir / "results.md").write_text(table + "\n")
+        plot_reward_curve(history, run_dir / "reward_curve.png",
+                          title=f"grpokit {config.algo.upper()} (seed {config.seed})")
+    return {"heldout_reward_means": {"before": before.reward_means if before is not None else None,
+                                     "after": after.reward_means},
+            "heldout_questions": after.num_questions}

@@ -427,7 +427,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     (`run_dir_mode`: rundir.NEW, OVERWRITE or CLAIMED). Returns the run's summary."""
     started = started or time.perf_counter()
     for sources in (config.data.sources, config.data.eval_sources):  # file errors before any model loads
-        check_sources(sources, config.data.skip_malformed_lines)
+        check_sources(sources, config.data.skip_malformed_lines, needs_answer=not config.rewards)
     check_reward_model_setup(config)
     check_world_size(config, distributed.world_size(), distributed.local_world_size())
     with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \

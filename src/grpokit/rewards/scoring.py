@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import traceback
@@ -10,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.data.templates import MESSAGES
 from grpokit.rewards.process import is_process_reward, run_process_reward
-from grpokit.rewards.registry import RewardFunction
+from grpokit.rewards.registry import RewardFunction, reward_function
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,12 @@ class WeightedReward:
     fn: RewardFunction
     weight: float = 1.0
     timeout_s: float | None = None  # None: run in the caller's thread with no time limit
+
+
+def configured_rewards(config, tokenizer=None) -> list[WeightedReward]:
+    """The config's rewards list, made; a reward factory that counts tokens (overlong_penalty) gets `tokenizer`."""
+    return [WeightedReward(r.name, reward_function(r.name, r.args, tokenizer), r.weight, r.timeout_s)
+            for r in config.rewards]
 
 
 class RewardTimeout(TimeoutError):
@@ -61,6 +69,9 @@ class RewardResult:
     errors: dict[str, str]
     timeouts: dict[str, int] = field(default_factory=dict)  # samples lost to a timeout, per function
     step_scores: list | None = None  # StepScores per sample (None where refused), from a process reward
+    # what the functions logged through TRL's log_metric (a number) and log_extra (a value per sample),
+    # as "rewards/<function>/<name>": the step's metrics row carries them
+    logged: dict[str, object] = field(default_factory=dict)
 
     def function_means(self) -> dict[str, float]:
         """Mean of each function over the samples it scored (NaN if it scored none)."""
@@ -74,8 +85,9 @@ class RewardResult:
         """The results of samples `rows` (a process reward model's step scores come later; a process
         reward function's are kept)."""
         steps = None if self.step_scores is None else [self.step_scores[i] for i in rows.tolist()]
+        logged = {k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v for k, v in self.logged.items()}
         return RewardResult(self.total[rows], self.valid[rows], {k: v[rows] for k, v in self.per_function.items()},
-                            dict(self.errors), dict(self.timeouts), steps)
+                            dict(self.errors), dict(self.timeouts), steps, logged)
 
     @staticmethod
     def cat(parts: list["RewardResult"]) -> "RewardResult":
@@ -85,7 +97,8 @@ class RewardResult:
                             {k: torch.cat([p.per_function[k] for p in parts]) for k in names},
                             {k: v for p in reversed(parts) for k, v in p.errors.items()},
                             {k: sum(p.timeouts.get(k, 0) for p in parts) for k in parts[0].timeouts},
-                            None if parts[0].step_scores is None else [s for p in parts for s in p.step_scores])
+                            None if parts[0].step_scores is None else [s for p in parts for s in p.step_scores],
+                            _joined_logs(parts))
 
     def all_failed(self) -> list[str]:
         """Functions that failed on every sample of this batch."""
@@ -102,6 +115,53 @@ def _to_float(value) -> float:
     return x if math.isfinite(x) else math.nan
 
 
+def _joined_logs(parts: list[RewardResult]) -> dict[str, object]:
+    """The parts' logs as one batch's: per-sample lists joined in order, numbers averaged."""
+    out: dict[str, object] = {}
+    for key in dict.fromkeys(k for p in parts for k in p.logged):
+        values = [p.logged[key] for p in parts if key in p.logged]
+        out[key] = [x for v in values for x in v] if isinstance(values[0], list) else sum(values) / len(values)
+    return out
+
+
+def _loggable(value):
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
+def trl_extras(fn, name: str, completion_ids: list[list[int]] | None, logged: dict) -> dict:
+    """What TRL's trainer passes every reward function besides prompts, completions and columns, for
+    those that take it (by name or **kwargs): completion_ids, and log_extra(column, values) and
+    log_metric(name, value), whose values land in `logged` as rewards/<name>/<key>."""
+    def log_extra(column: str, values) -> None:
+        logged[f"rewards/{name}/{column}"] = [_loggable(v) for v in values]
+
+    def log_metric(key: str, value) -> None:
+        logged[f"rewards/{name}/{key}"] = float(value)
+
+    offered = {"log_extra": log_extra, "log_metric": log_metric}
+    if completion_ids is not None:
+        offered["completion_ids"] = completion_ids
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in parameters}
+
+
+def reads_text(fn) -> bool:
+    """grpokit's own rewards read a completion's text whatever the prompt's format; a user's
+    function gets completions as TRL gives them (a list of messages for conversational prompts)."""
+    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "")
+    return module.split(".")[0] == "grpokit"
+
+
+def assistant_messages(completions: list[str]) -> list[list[dict]]:
+    """Completions in TRL's conversational format: each one a list of one assistant message."""
+    return [[{"role": "assistant", "content": text}] for text in completions]
+
+
 def row_columns(rows: list[dict]) -> dict[str, list]:
     """Dataset rows -> the per-field lists reward functions receive as keyword arguments."""
     keys = [k for k in rows[0] if k != "prompt"] if rows else []
@@ -109,10 +169,15 @@ def row_columns(rows: list[dict]) -> dict[str, list]:
 
 
 def score_completions(
-    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list],
+    completion_ids: list[list[int]] | None = None,
 ) -> RewardResult:
     """Run every reward function on the batch. A function that raises, returns the wrong
-    number of scores, or gives None/NaN for a sample fails only those samples.
+    number of scores, or gives None/NaN for a sample fails only those samples. Rows with a
+    conversational prompt (columns' prompt_messages) give a user's function TRL's arguments for
+    that format: the prompts' messages, and each completion as [{"role": "assistant", "content": text}].
+    A function that takes them gets TRL's other arguments too (trl_extras): `completion_ids` (each
+    completion's tokens, where given) and the log_extra / log_metric callables.
 
     A process reward (rewards/process.py) gives step_scores instead of a term of `total`; its
     per_function entry is each completion's mean step score. With no outcome reward beside it,
@@ -124,11 +189,17 @@ def score_completions(
         raise ValueError(f"rewards {process} are all process rewards; name at most one (eq. 6 takes one set of steps)")
     n = len(completions)
     total = torch.zeros(n, dtype=torch.float64)
-    per_function, errors, timeouts, step_scores = {}, {}, {}, None
+    per_function, errors, timeouts, step_scores, logged = {}, {}, {}, None, {}
+    columns = dict(columns)
+    messages = columns.pop(MESSAGES, None)
+    conversational = bool(messages) and all(m is not None for m in messages)
     for spec in rewards:
         steps = None
         try:
-            raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=prompts, completions=completions, **columns)
+            as_trl = conversational and not reads_text(spec.fn)
+            raw = call_with_timeout(spec.fn, spec.timeout_s, prompts=messages if as_trl else prompts,
+                                    completions=assistant_messages(completions) if as_trl else completions, **columns,
+                                    **trl_extras(spec.fn, spec.name, completion_ids, logged))
             if raw is None or len(raw) != n:
                 raise ValueError(f"returned {None if raw is None else len(raw)} scores for {n} completions")
             if process and spec.name == process[0]:
@@ -160,4 +231,4 @@ def score_completions(
             total += spec.weight * scores
     valid = ~torch.isnan(total)
     return RewardResult(total=total, valid=valid, per_function=per_function, errors=errors, timeouts=timeouts,
-                        step_scores=step_scores)
+                        step_scores=step_scores, logged=logged)

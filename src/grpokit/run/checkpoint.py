@@ -55,6 +55,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none that is intact could be found."""
 
 
+class NoCheckpoint(CheckpointError):
+    """A run directory holds no intact checkpoint (a run killed before its first one)."""
+
+
 # --------------------------------------------------------------------------- file helpers
 
 
@@ -304,7 +308,7 @@ def find_resume_checkpoint(run_dir: str | Path, explicit: str | Path | None = No
         return path
     path = CheckpointManager(Path(run_dir) / "checkpoints").latest()
     if path is None:
-        raise CheckpointError(
+        raise NoCheckpoint(
             f"no intact checkpoint under {Path(run_dir) / 'checkpoints'} to resume from; "
             "start without --resume, or pass --resume PATH"
         )

@@ -323,7 +323,8 @@ class Trainer(Checkpointing):
             result = RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
             drop_failed_rollouts(rollout, result)
             return result
-        result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows))
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        result = score_completions(self.rewards, rollout.prompts, rollout.completions, row_columns(rollout.rows), ids)
         drop_failed_rollouts(rollout, result)
         self.failures.count_rewards(result)
         return result

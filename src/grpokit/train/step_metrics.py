@@ -58,6 +58,7 @@ def step_record(step: int, rollout: Rollout, result: RewardResult, group_size: i
         **{f"rewards/{name}": mean for name, mean in result.function_means().items()},
         "rewards/failed": int((~result.valid).sum()),
         "rewards/timeouts": sum(result.timeouts.values()),
+        **result.logged,  # what reward functions logged (TRL's log_metric, log_extra)
         **sections["update"],
         **sections["sampling"],
         "completion/mean_length": float(lengths.mean()),
