@@ -39,7 +39,7 @@ def test_a_question_at_exactly_the_validation_share_s_end_trains(monkeypatch):
 
 def _chain(*overrides):
     return ChainTask(load_config(overrides=["--task.num_sft_examples=300", "--task.num_rl_questions=300",
-                                            "--task.num_eval_questions=100", *overrides]))
+                                            "--task.num_eval_questions=200", *overrides]))
 
 
 def test_the_chain_task_s_validation_questions_are_neither_trained_on_nor_held_out():
@@ -52,6 +52,10 @@ def test_the_chain_task_s_validation_questions_are_neither_trained_on_nor_held_o
     assert all(arithmetic.split_of(q, spec) == "validation" for q in validation)
     assert all(arithmetic.split_of(r["question"], spec) == "train" for r in data.train)
     assert set(data.validation[0]) >= {"prompt", "question", "answer"}
+
+
+def test_validation_asks_at_most_as_many_questions_as_the_held_out_test():
+    assert len(_chain("--task.num_eval_questions=8").data(sft=False).validation) == 8
 
 
 def test_the_held_out_questions_do_not_move_and_no_validation_gives_the_old_training_draws():
@@ -104,11 +108,11 @@ def test_a_split_that_leaves_nothing_to_train_on_is_refused_in_one_line(override
 def test_more_validation_questions_than_the_share_holds_is_refused_naming_the_key_and_sizes():
     small = ["--task.min_ops=1", "--task.max_ops=1", "--task.max_start=9", "--task.max_operand=9", "--task.heldout_percent=40",
              "--task.max_value=20", "--task.num_sft_examples=1", "--task.num_rl_questions=1",
-             "--task.num_eval_questions=1", "--task.validation_percent=20", "--task.num_validation_questions=200"]
+             "--task.num_eval_questions=30", "--task.validation_percent=20", "--task.num_validation_questions=40"]
     with pytest.raises(ConfigError) as error:
         _chain(*small).data(sft=False)
     message = str(error.value)
-    assert message == ("task.num_validation_questions=200 asks for more validation questions than "
+    assert message == ("task.num_validation_questions=40 asks for more validation questions than "
                        "task.validation_percent=20 holds (23 distinct ones drawn): lower "
                        "task.num_validation_questions or raise task.validation_percent")  # docs/reference/errors.md
 

@@ -172,8 +172,8 @@ class TaskConfig:
                                           "on other questions, in addition to num_sft_examples; 0 = none")
     num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
     num_eval_questions: int = opt(500, "held-out questions for evaluation")
-    num_validation_questions: int = opt(200, "validation questions, evaluated greedily before and after RL "
-                                             "(summary.json's validation); 0 = none")
+    num_validation_questions: int = opt(200, "validation questions (at most num_eval_questions), evaluated "
+                                             "greedily before and after RL (summary.json's validation); 0 = none")
     prompt_modes: dict[str, float] = opt({"cot": 1.0}, "share of RL prompts in each mode, by a fixed hash of the "
                                                        "question: cot (chain-of-thought), tir (the task's "
                                                        "tool-integrated prompts, with rollout.tool), e.g. "

@@ -70,17 +70,19 @@ def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tok
 
 
 def validation_questions(draw: Callable[[int], list], task_config) -> list:
-    """task.num_validation_questions questions of a drawn task's validation share, `draw(n)` drawing
-    them (none when either key is 0); one line naming the keys and the sizes when the share holds
-    fewer distinct questions than asked for."""
-    n, percent = task_config.num_validation_questions, task_config.validation_percent
+    """task.num_validation_questions questions of a drawn task's validation share, at most as many as
+    task.num_eval_questions (a run that evaluates few held-out questions stays as cheap on validation),
+    `draw(n)` drawing them (none when either key is 0); one line naming the keys and the sizes when
+    the share holds fewer distinct questions than asked for."""
+    asked, percent = task_config.num_validation_questions, task_config.validation_percent
+    n = min(asked, task_config.num_eval_questions)
     if not (n and percent):
         return []
     try:
         return draw(n)
     except ValueError as error:
         found = getattr(error, "found", None)
-        raise ConfigError(f"task.num_validation_questions={n} asks for more validation questions than "
+        raise ConfigError(f"task.num_validation_questions={asked} asks for more validation questions than "
                           f"task.validation_percent={percent} holds"
                           + (f" ({found} distinct ones drawn)" if found is not None else "")
                           + ": lower task.num_validation_questions or raise task.validation_percent") from None
