@@ -105,3 +105,16 @@ def test_a_wrong_number_in_the_readme_sentence_fails(monkeypatch, tmp_path):
     monkeypatch.setattr(sys.modules[__name__], "README", wrong)
     with pytest.raises(AssertionError):
         test_the_readme_range_is_the_preset_runs_summaries()
+
+
+@pytest.mark.slow
+def test_the_demo_gain_on_this_machine_is_within_the_recorded_range(seed0_demo):
+    """CI's own `grpokit demo --seed 0` (the slow tier's run, shared with the other demo checks) against the
+    range the README states: the lowest and highest gain of every recorded run, committed or transcribed."""
+    recorded = [change(row) for row in preset_runs()]
+    recorded += [change(row) for row in json.loads((DATA / "demo.json").read_text())["tables"]["accuracy"]["rows"]]
+    summary = json.loads((seed0_demo / "summary.json").read_text())
+    gain = round(summary["improvement_points"], 1)
+    assert min(recorded) <= gain <= max(recorded), (
+        f"this machine's seed-0 demo gained {gain:+.1f} points, outside the recorded runs' {min(recorded):+.1f} to "
+        f"{max(recorded):+.1f}: commit its summary.json under docs/results/data/demo-runs/ and add its row")
