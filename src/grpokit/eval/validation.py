@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from grpokit import distributed
 from grpokit.config import Config
 from grpokit.data.files import DatasetError, filter_long_prompts
 from grpokit.eval.evaluate import evaluate
@@ -43,5 +44,6 @@ def validation_summary(before: dict | None, after: dict) -> dict:
         out.update(before=before["greedy_accuracy"],
                    change_points=100 * (after["greedy_accuracy"] - before["greedy_accuracy"]))
     shown = f"{out['before']:.1%} -> " if before else ""
-    print(f"validation ({out['questions']} questions, what settings are chosen on): greedy {shown}{out['after']:.1%}")
+    if distributed.is_main():  # every process evaluated the same questions
+        print(f"validation ({out['questions']} questions, what settings are chosen on): greedy {shown}{out['after']:.1%}")
     return {"validation": out}
