@@ -111,7 +111,7 @@ def test_the_one_files_defaults_are_the_config_schemas():
 
 @pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_the_one_files_warm_up_is_grpokits_zero_included(warmup):
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     scheduler = warmup_constant(optimizer, warmup)
     settings = one_file.Settings(learning_rate=1e-3, warmup_steps=warmup)
     for step in range(5):
