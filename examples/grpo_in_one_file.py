@@ -43,27 +43,33 @@ class Settings:
     max_new_tokens: int = 96         # grpo.max_completion_length
     temperature: float = 0.7         # grpo.temperature: the policy trained is the tempered one
     learning_rate: float = 3e-5      # grpo.learning_rate
-    warmup_steps: int = 20           # grpo.warmup_steps: linear warm-up, then constant
+    warmup_steps: int = 20           # grpo.warmup_steps: linear warm-up, then constant; 0 = none
     beta: float = 0.04               # grpo.beta, the KL coefficient
     epsilon: float = 0.2             # grpo.epsilon, the clip range
     max_grad_norm: float = 1.0       # grpo.max_grad_norm
     num_questions: int = 20000       # task.num_rl_questions
     eval_questions: int = 500        # task.num_eval_questions
+    heldout_percent: int = 10        # task.heldout_percent: the hash's lowest share, never trained on
+    validation_percent: int = 5      # task.validation_percent: the next share, kept out of training too
 
 
 # --------------------------------------------------------------------------------------- the task
 
 
+def split(settings: Settings) -> arithmetic.ChainSpec:
+    """The demo task's shape, with its fixed held-out and validation shares of a hash of the question."""
+    return arithmetic.ChainSpec(heldout_percent=settings.heldout_percent, validation_percent=settings.validation_percent)
+
+
 def training_questions(settings: Settings) -> list[dict]:
     """The demo's RL questions: {"prompt": "Q: 7+5-3\\n", "question": ..., "answer": "9"}; the same draw
-    as grpokit's chain task (seed + 1, the training side of the fixed held-out split)."""
-    questions = arithmetic.sample_questions(settings.num_questions, settings.seed + 1, arithmetic.ChainSpec(), "train")
+    as grpokit's chain task (seed + 1, the training side of the fixed split)."""
+    questions = arithmetic.sample_questions(settings.num_questions, settings.seed + 1, split(settings), "train")
     return [{k: row[k] for k in ("prompt", "question", "answer")} for row in arithmetic.make_rows(questions)]
 
 
 def heldout_questions(settings: Settings) -> list[dict]:
-    return arithmetic.make_rows(arithmetic.sample_questions(settings.eval_questions, 0, arithmetic.ChainSpec(),
-                                                            "heldout"))
+    return arithmetic.make_rows(arithmetic.sample_questions(settings.eval_questions, 0, split(settings), "heldout"))
 
 
 class QuestionOrder:
@@ -183,6 +189,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 # ------------------------------------------------------------------------------------------- the loop
 
 
+def learning_rate(settings: Settings, step: int) -> float:
+    """Linear warm-up over warmup_steps, then constant; warmup_steps = 0: the full rate from the first step."""
+    return settings.learning_rate * min(1.0, (step + 1) / max(1, settings.warmup_steps))
+
+
 def train(policy, tokenizer, settings: Settings, reward_fn=arithmetic.chain_accuracy, log=print) -> list[dict]:
     """GRPO on the demo task from `policy` (pi_SFT); trains it in place and returns one record per step."""
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # pi_ref: frozen pi_SFT
@@ -205,8 +216,8 @@ def train(policy, tokenizer, settings: Settings, reward_fn=arithmetic.chain_accu
         logp = token_logprobs(policy, batch, settings.temperature)
         loss, kl = grpo_loss(logp[rows_in_order], logp.detach()[rows_in_order], ref_logp[rows_in_order],   # 4, 5
                              advantages[rows_in_order], batch.mask[rows_in_order], settings.epsilon, settings.beta)
-        for group in optimizer.param_groups:  # linear warm-up, then constant
-            group["lr"] = settings.learning_rate * min(1.0, (step + 1) / settings.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(settings, step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.max_grad_norm)

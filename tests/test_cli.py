@@ -24,6 +24,11 @@ def test_demo_writes_the_run_directory(tmp_path):
     assert "greedy accuracy" in proc.stdout and "pass@2" in proc.stdout and "maj@2" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seed"] == 3
+    # validation: as many questions as the held-out test here (8), greedy, before and after RL
+    assert summary["validation"]["questions"] == 8 and 0 <= summary["validation"]["after"] <= 1
+    assert summary["validation"]["change_points"] == 100 * (summary["validation"]["after"]
+                                                            - summary["validation"]["before"])
+    assert "validation (8 questions, what settings are chosen on): greedy " in proc.stdout
     # Table 5 in miniature: CoT and TIR, before and after, in the output and results.md.
     assert "greedy accuracy      CoT     TIR" in proc.stdout and "TIR" in (out / "results.md").read_text()
     assert "TIR evaluation of 8 questions: " in proc.stdout and "x CoT greedy's " in proc.stdout

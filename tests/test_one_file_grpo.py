@@ -16,6 +16,7 @@ share of digits), which gives every group a spread and every step a non-zero adv
 """
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -24,10 +25,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpokit
+from grpokit.checks import load_config
 from grpokit.data import arithmetic
 from grpokit.math import grpo_loss, outcome_advantages
 from grpokit.models import build_char_tokenizer, build_tiny_model
 from grpokit.run.checkpoint import save_checkpoint
+from grpokit.train.schedule import warmup_constant
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_in_one_file.py"
 spec = importlib.util.spec_from_file_location("grpo_in_one_file", EXAMPLE)
@@ -94,3 +97,24 @@ def test_the_one_files_advantages_and_clipped_loss_are_grpokits():
     assert stats["clip_fraction"] > 0.1
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert kl.item() == pytest.approx(stats["kl"].item(), rel=1e-6)
+
+
+def test_the_one_files_defaults_are_the_config_schemas():
+    """Each Settings field whose comment names a config key has that key's default (grpokit train --help)."""
+    config = load_config()
+    named = re.findall(r"^    (\w+): \w+ = [^#\n]+# (?:\w+, )?([a-z_]+\.[a-z_.]+)", EXAMPLE.read_text(), re.M)
+    assert len(named) >= 14, named
+    for field, key in named:
+        section, name = key.split(".")
+        assert getattr(one_file.Settings(), field) == getattr(getattr(config, section), name), (field, key)
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_the_one_files_warm_up_is_grpokits_zero_included(warmup):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = warmup_constant(optimizer, warmup)
+    settings = one_file.Settings(learning_rate=1e-3, warmup_steps=warmup)
+    for step in range(5):
+        assert one_file.learning_rate(settings, step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
+        optimizer.step()
+        scheduler.step()

@@ -164,12 +164,16 @@ class TaskConfig:
     max_operand: int = opt(_CHAIN.max_operand, "largest number added or subtracted")
     max_value: int = opt(_CHAIN.max_value, "intermediate results stay within [0, max_value]")
     heldout_percent: int = opt(_CHAIN.heldout_percent, "share of all questions reserved for evaluation, by a fixed hash")
+    validation_percent: int = opt(5, "the next share of all questions, by the same hash, kept out of training to "
+                                     "choose settings on (held-out numbers are reported, never chosen on); 0 = none")
     num_sft_examples: int = opt(4000, "demonstrations the SFT stage trains on")
     sft_direct_fraction: float = opt(0.5, "share of SFT demonstrations that give only the answer, no steps")
     num_sft_tir_examples: int = opt(500, "tool-integrated SFT demonstrations (a python program prints the answer), "
                                           "on other questions, in addition to num_sft_examples; 0 = none")
     num_rl_questions: int = opt(20000, "questions (answers only) the GRPO stage samples from")
     num_eval_questions: int = opt(500, "held-out questions for evaluation")
+    num_validation_questions: int = opt(200, "validation questions (at most num_eval_questions), evaluated "
+                                             "greedily before and after RL (summary.json's validation); 0 = none")
     prompt_modes: dict[str, float] = opt({"cot": 1.0}, "share of RL prompts in each mode, by a fixed hash of the "
                                                        "question: cot (chain-of-thought), tir (the task's "
                                                        "tool-integrated prompts, with rollout.tool), e.g. "
@@ -185,7 +189,11 @@ class TaskConfig:
         """This section's own rules (task.name is checked with the rewards, in grpokit.checks)."""
         modes = self.prompt_modes
         yield from failed([
-            *_bounds(self, "task", non_negative=("num_sft_tir_examples",)),
+            *_bounds(self, "task", non_negative=("num_sft_tir_examples", "validation_percent",
+                                                 "num_validation_questions")),
+            (self.heldout_percent + self.validation_percent < 100,
+             f"task.heldout_percent ({self.heldout_percent}) + task.validation_percent ({self.validation_percent}) "
+             f"leave no questions to train on: their sum must stay under 100"),
             (set(modes) <= {"cot", "tir"}, f"task.prompt_modes takes the modes cot and tir, got {sorted(modes)}"),
             (all(share >= 0 for share in modes.values()) and sum(modes.values()) > 0,
              f"task.prompt_modes' shares must be >= 0 and not all 0, got {modes}"),
@@ -214,6 +222,9 @@ class DataConfig:
                                              "heldout_fraction of the sources' questions")
     heldout_fraction: float = opt(0.05, "share of the sources' questions held out for evaluation when "
                                         "eval_sources is empty (split by a hash of the question)")
+    validation_fraction: float = opt(0.05, "the next share of the sources' questions, by the same hash, kept out "
+                                           "of training to choose settings on and evaluated greedily before and "
+                                           "after RL (summary.json's validation); 0 = none")
     template: str = opt("cot", "prompt template: cot (DeepSeekMath's step-by-step + \\boxed instruction), none, "
                                "or a custom string containing {question}")
     chat_template: Literal["auto", "on", "off"] = opt(
@@ -234,7 +245,11 @@ class DataConfig:
     def problems(self) -> Iterator[str]:
         """This section's own rules."""
         return failed([
-            *_bounds(self, "data", non_negative=("max_prompt_length",), within={"heldout_fraction": "[0, 1)"}),
+            *_bounds(self, "data", non_negative=("max_prompt_length",),
+                     within={"heldout_fraction": "[0, 1)", "validation_fraction": "[0, 1)"}),
+            (self.heldout_fraction + self.validation_fraction < 1,
+             f"data.heldout_fraction ({self.heldout_fraction}) + data.validation_fraction "
+             f"({self.validation_fraction}) leave no questions to train on: their sum must stay under 1"),
         ])
 
 

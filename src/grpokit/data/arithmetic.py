@@ -8,8 +8,8 @@ only needs the line above it (two leading numbers and the rest copied), which a 
 learns reliably, while answering directly means composing every operation at once. A rule
 grades each step (`check_steps`), so the same task serves outcome supervision (final
 answer) and process supervision (step grades).
-A fixed hash of the question decides the held-out split, so held-out questions are
-never trained on, whatever the seed.
+A fixed hash of the question decides the held-out and validation splits, so neither is ever
+trained on, whatever the seed.
 
 Tool-integrated reasoning (TIR), DeepSeekMath's second way to evaluate, in the same task:
 
@@ -37,6 +37,7 @@ TIR_ALPHABET = ALPHABET + "`()hinoprtuwy" + "abcdef"
 _ANSWER = re.compile(r"^A: (-?\d+)\s*$", re.MULTILINE)
 _CHAIN = re.compile(r"^(-?\d+)(?:[+-]\d+)+$")  # a number followed by one or more +n / -n
 _HEAD = re.compile(r"^(-?\d+)([+-])(\d+)")
+SPLITS = ("train", "heldout", "validation")
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,18 @@ class ChainSpec:
     max_operand: int = 9
     max_value: int = 20
     heldout_percent: int = 10
+    # the next share of the hash, kept out of training for choosing settings; 0 = none (the draws of
+    # training questions are then those of runs before the validation split existed)
+    validation_percent: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ops <= self.max_ops:
             raise ValueError(f"need 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
         if not 0 < self.heldout_percent < 100:
             raise ValueError(f"heldout_percent must lie in (0, 100), got {self.heldout_percent}")
+        if not 0 <= self.validation_percent < 100 - self.heldout_percent:
+            raise ValueError(f"validation_percent must lie in [0, {100 - self.heldout_percent}) beside "
+                             f"heldout_percent={self.heldout_percent}, got {self.validation_percent}")
 
 
 def is_heldout(question: str, heldout_percent: int) -> bool:
@@ -114,20 +121,33 @@ def random_question(rng: random.Random, task: ChainSpec) -> str:
     return "".join(parts)
 
 
+def split_of(question: str, task: ChainSpec) -> str:
+    """"heldout", "validation" or "train": the side of `task`'s split `question` is on."""
+    return heldout_split.split_of(question, task.heldout_percent / 100, task.validation_percent / 100)
+
+
 def sample_questions(n: int, seed: int, task: ChainSpec, split: str) -> list[str]:
-    """`n` distinct questions of `split` ("train" or "heldout"), reproducible from `seed`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    """`n` distinct questions of `split` ("train", "heldout" or "validation"), reproducible from `seed`."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"{seed}-{split}")
-    want_heldout = split == "heldout"
     seen: dict[str, None] = {}
     for _ in range(200 * n + 1000):
         q = random_question(rng, task)
-        if is_heldout(q, task.heldout_percent) == want_heldout:
+        if split_of(q, task) == split:
             seen.setdefault(q)
             if len(seen) == n:
                 return list(seen)
-    raise ValueError(f"could not draw {n} distinct {split} questions from {task}; widen the task")
+    raise TooFewQuestions(f"could not draw {n} distinct {split} questions from {task} (found {len(seen)}); "
+                          "widen the task", len(seen))
+
+
+class TooFewQuestions(ValueError):
+    """A split holds fewer distinct questions than asked for; `found` says how many were drawn."""
+
+    def __init__(self, message: str, found: int):
+        super().__init__(message)
+        self.found = found
 
 
 def format_direct_answer(question: str) -> str:

@@ -1,5 +1,7 @@
-"""The one held-out split every task uses: a fixed hash of a question's text puts it on the
-training or the held-out side, so the split never depends on seeds, order or the data's size."""
+"""The one split every task uses: a fixed hash of a question's text puts it on the held-out, the
+validation or the training side, so the split never depends on seeds, order or the data's size.
+Positions below the held-out share are held out (the numbers a run reports); the next
+validation share is validation (what settings are chosen on); the rest is training."""
 
 from __future__ import annotations
 
@@ -19,3 +21,13 @@ def heldout_position(key: str) -> float:
 def is_heldout(key: str, fraction: float) -> bool:
     """Whether the question `key` is held out when a share `fraction` of all questions is."""
     return heldout_position(key) < fraction
+
+
+def split_of(key: str, heldout: float, validation: float = 0.0) -> str:
+    """"heldout", "validation" or "train": where the question `key` falls when a share `heldout` of
+    all questions is held out and the next share `validation` validates."""
+    position = heldout_position(key)
+    if position < heldout:
+        return "heldout"
+    # rounded: 0.1 + 0.05 must be the float 0.15, the position of a question at exactly 15%
+    return "validation" if position < round(heldout + validation, 12) else "train"

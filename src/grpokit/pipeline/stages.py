@@ -59,6 +59,7 @@ from grpokit.tools import make_tool
 from grpokit.eval.evaluate import evaluate, evaluate_task
 from grpokit.eval.questions import write_heldout
 from grpokit.eval.records import write_heldout_completions
+from grpokit.eval.validation import validation_accuracy, validation_summary
 from grpokit.models.reference import frozen_copy
 from grpokit.train.sampling import sampling_params
 from grpokit.train.iterative import rm_headline, run_iterations
@@ -449,14 +450,15 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
         print(f"{model.config.model_type}: {parameter_counts(model)}; {describe_precision(model)}; "
               f"{len(rows)} RL questions, {len(heldout)} held-out questions")
         engine = make_engine(config.rollout, model, tokenizer, config.seed,
-                             _train_model_len(config, task, tokenizer, rows, heldout),
+                             _train_model_len(config, task, tokenizer, rows + data.validation, heldout),
                              _loaded_weights_dir(config, None if config.model.lora.r else checkpoint))
         cleanup.callback(engine.close)  # vLLM's own process groups go before torchrun's
         timings = dict(timings or {})
-        before = None
+        before, validation_before = None, {}
         if heldout and config.eval.before and checkpoint is None:
             before = _evaluate_heldout("before", task, model, tokenizer, heldout, config, engine, run_dir, progress,
                                        timings)
+            validation_before = validation_accuracy(task, model, tokenizer, data.validation, config, engine)
             engine.release_memory(weights_pushed_next=False)  # the reward model may train next
             print(f"before RL, held-out: {before.headline()}"
                   + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
@@ -465,8 +467,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
                                       engine)
         if stage is not None:
             timings["reward_model_seconds"] = time.perf_counter() - t
-        remote = _rollout_workers(config, model, tokenizer, _train_model_len(config, task, tokenizer, rows, heldout),
-                                  run_dir, ray)
+        remote = _rollout_workers(config, model, tokenizer,
+                                  _train_model_len(config, task, tokenizer, rows + data.validation, heldout), run_dir, ray)
         if remote is not None:  # after a failure, without waiting on a worker that may hang
             cleanup.push(lambda error, *_: remote.close(failed=error is not None))
         seed_everything(distributed.process_seed(config.seed))  # generate's draws differ between processes
@@ -494,6 +496,8 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             after = _evaluate_heldout("after", task, model, tokenizer, heldout, config, engine, run_dir, progress,
                                       timings)
             summary.update(report_results(config, task, run_dir, history, before, after))
+        summary.update(validation_summary(validation_before,
+                                          validation_accuracy(task, model, tokenizer, data.validation, config, engine)))
         # The process's peak: the demo's SFT stage too, where it ran here (the README's memory figures).
         summary.update(timings, wall_seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes())
         if distributed.is_main():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from grpokit.data.split import heldout_position
@@ -14,6 +14,8 @@ class TaskData:
     sft: list[dict]  # {"prompt", "completion"}: demonstrations for pi_SFT (may be empty)
     train: list[dict]  # {"prompt", "answer", ...}: RL questions
     heldout: list[dict]  # {"prompt", "answer", ...}: evaluation questions, never trained on (may be empty)
+    # {"prompt", "answer", ...}: questions to choose settings on, disjoint from both by the same hash (may be empty)
+    validation: list[dict] = field(default_factory=list)
 
 
 class Task(Protocol):
@@ -65,3 +67,22 @@ def with_prompt_modes(task: Task, rows: list[dict], modes: dict[str, float], tok
                               f"set task.prompt_modes to {{cot: 1.0}}")
         out.append({**row, "prompt": prompt, "mode": "tir"})
     return out
+
+
+def validation_questions(draw: Callable[[int], list], task_config) -> list:
+    """task.num_validation_questions questions of a drawn task's validation share, at most as many as
+    task.num_eval_questions (a run that evaluates few held-out questions stays as cheap on validation),
+    `draw(n)` drawing them (none when either key is 0); one line naming the keys and the sizes when
+    the share holds fewer distinct questions than asked for."""
+    asked, percent = task_config.num_validation_questions, task_config.validation_percent
+    n = min(asked, task_config.num_eval_questions)
+    if not (n and percent):
+        return []
+    try:
+        return draw(n)
+    except ValueError as error:
+        found = getattr(error, "found", None)
+        raise ConfigError(f"task.num_validation_questions={asked} asks for more validation questions than "
+                          f"task.validation_percent={percent} holds"
+                          + (f" ({found} distinct ones drawn)" if found is not None else "")
+                          + ": lower task.num_validation_questions or raise task.validation_percent") from None

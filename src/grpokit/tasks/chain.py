@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from grpokit.data import arithmetic
 from grpokit.data.answers import last_output
-from grpokit.tasks.base import TaskData
+from grpokit.tasks.base import TaskData, validation_questions
 from grpokit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -40,10 +40,11 @@ class ChainTask:
         self._said_no_tir = False
         self._writes_programs: dict[int, bool] = {}  # by id(tokenizer): its whole vocabulary is read once
         self.spec = arithmetic.ChainSpec(t.min_ops, t.max_ops, t.max_start, t.max_operand, t.max_value,
-                                         t.heldout_percent)
+                                         t.heldout_percent, t.validation_percent)
 
     def data(self, tokenizer=None, sft: bool = True) -> TaskData:
-        """SFT demonstrations, RL questions (answers only) and held-out questions, all from seeds."""
+        """SFT demonstrations, RL questions (answers only), held-out and validation questions, all
+        from seeds (the held-out and validation ones from seed 0 whatever the run's seed)."""
         t, seed = self.config, self.seed
         demos = []
         if sft:  # the TIR demonstrations' questions come after the CoT ones in the same draw
@@ -53,8 +54,10 @@ class ChainTask:
                      + arithmetic.make_tir_rows(questions[t.num_sft_examples :]))
         rl = arithmetic.make_rows(arithmetic.sample_questions(t.num_rl_questions, seed + 1, self.spec, "train"))
         heldout = arithmetic.make_rows(arithmetic.sample_questions(t.num_eval_questions, 0, self.spec, "heldout"))
+        validation = arithmetic.make_rows(validation_questions(
+            lambda n: arithmetic.sample_questions(n, 0, self.spec, "validation"), t))
         return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
-                        [{k: r[k] for k in ("prompt", "question", "answer")} for r in rl], heldout)
+                        [{k: r[k] for k in ("prompt", "question", "answer")} for r in rl], heldout, validation)
 
     def extract_answer(self, completion: str) -> str | None:
         return arithmetic.extract_answer(completion)

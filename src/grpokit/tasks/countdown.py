@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from grpokit.data.arithmetic import is_heldout
+from grpokit.data.arithmetic import SPLITS, TooFewQuestions
+from grpokit.data.split import split_of
 from grpokit.errors import ConfigError
-from grpokit.tasks.base import TaskData
+from grpokit.tasks.base import TaskData, validation_questions
 from grpokit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -84,19 +85,19 @@ def random_question(rng: random.Random) -> Question:
             return Question(tuple(numbers), value, solution)
 
 
-def sample_questions(n: int, seed: int, split: str, heldout_percent: int) -> list[Question]:
-    """`n` distinct questions of `split` ("train" or "heldout"), reproducible from `seed`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+def sample_questions(n: int, seed: int, split: str, heldout_percent: int, validation_percent: int = 0) -> list[Question]:
+    """`n` distinct questions of `split` ("train", "heldout" or "validation"), reproducible from `seed`."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"{seed}-countdown-{split}")
     seen: dict[str, Question] = {}
     for _ in range(200 * n + 1000):
         q = random_question(rng)
-        if is_heldout(q.key, heldout_percent) == (split == "heldout"):
+        if split_of(q.key, heldout_percent / 100, validation_percent / 100) == split:
             seen.setdefault(q.key, q)
             if len(seen) == n:
                 return list(seen.values())
-    raise ValueError(f"could not draw {n} distinct countdown {split} questions")
+    raise TooFewQuestions(f"could not draw {n} distinct countdown {split} questions (found {len(seen)})", len(seen))
 
 
 def make_rows(questions: list[Question]) -> list[dict]:
@@ -172,14 +173,18 @@ class CountdownTask:
     def data(self, tokenizer=None, sft: bool = True) -> TaskData:
         """SFT demonstrations, RL questions and held-out questions, all from seeds (as ChainTask's:
         the held-out ones from seed 0 whatever the run's seed). It reads the task section's
-        num_sft_examples, num_rl_questions, num_eval_questions and heldout_percent."""
+        num_sft_examples, num_rl_questions, num_eval_questions, num_validation_questions, heldout_percent
+        and validation_percent."""
         t, seed = self.config, self.seed
         _check_tokenizer(tokenizer)
-        demos = make_rows(sample_questions(t.num_sft_examples, seed, "train", t.heldout_percent)) if sft else []
-        rl = make_rows(sample_questions(t.num_rl_questions, seed + 1, "train", t.heldout_percent))
-        heldout = make_rows(sample_questions(t.num_eval_questions, 0, "heldout", t.heldout_percent))
+        shares = (t.heldout_percent, t.validation_percent)
+        demos = make_rows(sample_questions(t.num_sft_examples, seed, "train", *shares)) if sft else []
+        rl = make_rows(sample_questions(t.num_rl_questions, seed + 1, "train", *shares))
+        heldout = make_rows(sample_questions(t.num_eval_questions, 0, "heldout", *shares))
+        validation = make_rows(validation_questions(lambda n: sample_questions(n, 0, "validation", *shares), t))
         return TaskData([{"prompt": r["prompt"], "completion": r["solution"]} for r in demos],
-                        [{k: r[k] for k in ("prompt", "numbers", "target", "answer")} for r in rl], heldout)
+                        [{k: r[k] for k in ("prompt", "numbers", "target", "answer")} for r in rl], heldout,
+                        validation)
 
     def prompt(self, row: dict, mode: str, tokenizer) -> str | None:
         """The numbers and the target (cot); None for tir: the task has no tool-integrated form."""

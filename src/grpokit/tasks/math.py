@@ -12,7 +12,8 @@ One rule, used by the RL reward, by a run's held-out evaluation and by `grpokit 
 
 Held-out questions come from data.eval_sources (e.g. a benchmark's test split) when given,
 else from a data.heldout_fraction of the questions, split off by grpokit.data.split's hash of
-the question."""
+the question; the next data.validation_fraction of them, by the same hash, are the validation
+questions, on which settings are chosen."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from grpokit.data.answers import final_answer, final_answers, last_output
 from grpokit.data.sources import build_rows
-from grpokit.data.split import is_heldout
+from grpokit.data.split import split_of
 from grpokit.data.templates import render_prompt
 from grpokit.rewards.math_rewards import math_accuracy
 from grpokit.tasks.base import TaskData
@@ -76,12 +77,13 @@ class MathTask:
         d = self.data_config
         demos = build_rows(d.sft_sources, d, tokenizer, sft=True) if sft and d.sft_sources else []
         train = build_rows(d.sources, d, tokenizer)
-        if d.eval_sources:
-            heldout = build_rows(d.eval_sources, d, tokenizer)
-        else:
-            heldout = [r for r in train if is_heldout(r["question"], d.heldout_fraction)]
-            train = [r for r in train if not is_heldout(r["question"], d.heldout_fraction)]
-        return TaskData(demos, train, heldout)
+        # eval_sources hold the held-out questions: the sources' hash then only splits off validation
+        held = 0.0 if d.eval_sources else d.heldout_fraction
+        sides = [split_of(r["question"], held, d.validation_fraction) for r in train]
+        heldout = build_rows(d.eval_sources, d, tokenizer) if d.eval_sources else \
+            [r for r, side in zip(train, sides) if side == "heldout"]
+        validation = [r for r, side in zip(train, sides) if side == "validation"]
+        return TaskData(demos, [r for r, side in zip(train, sides) if side == "train"], heldout, validation)
 
     def prompt(self, row: dict, mode: str, tokenizer) -> str:
         """The row's question as the policy reads it: data.template (cot) or DeepSeekMath's TIR
