@@ -13,6 +13,7 @@ from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.rewards import WeightedReward
 from grpokit.train.failures import RewardFailure
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.step_metrics import zero_std_fraction
 
@@ -107,7 +108,8 @@ def test_micro_batching_gives_the_same_gradient(tiny_model, tokenizer, chain_row
             mask = rollout.completion_mask.clone()
             mask[5] = 0  # a failed sample: empty row
             ref_logp, _ = trainer.fixed_logprobs(rollout)
-            trainer.update_policy(rollout, adv, mask, ref_logp, None)
+            trainer.update_policy(Batch(rollout, None, mask, ref_logp, None, tokenizer, True, layout=trainer.layout),
+                                  adv)
             updated.append(model.state_dict())
         for k in updated[0]:
             torch.testing.assert_close(updated[0][k], updated[1][k], atol=2e-6, rtol=1e-4)
