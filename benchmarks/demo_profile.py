@@ -42,7 +42,8 @@ import torch
 
 from grpokit.pipeline.build import load_policy, seed_everything
 from grpokit.cli import DEMO_PRESET
-from grpokit.config import Config, load_config
+from grpokit.config import Config
+from grpokit.config import read_config as load_config  # the file's own values; no registry check
 from grpokit.data import arithmetic
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rollout import SamplingParams

@@ -17,7 +17,7 @@ from grpokit.errors import ConfigError
 SAMPLER_LOGPROB_ENGINES = ("hf_static", "vllm")
 
 
-def validate(config: Config) -> None:
+def check_values(config: Config) -> None:
     """The first problem of `config` as a ConfigError: its sections' own rules, section by section,
     then the rules that span sections. The names it gives registered pieces are checked by
     grpokit.checks.check_names (grpokit.checks.validate: both)."""

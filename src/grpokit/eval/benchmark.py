@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.errors import renamed_names
 from grpokit.run.checkpoint import CheckpointError, CheckpointManager
 from grpokit.checks import load_config
 from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig
@@ -345,9 +346,9 @@ def align_completions(path: str, bench: Benchmark, completion_column: str = "com
     return pairs
 
 
-def score_completions(path: str, data: str, completion_column: str = "completion", key: str | None = None,
-                      mode: str = "cot", max_rows: int = 0, out_dir: str | None = None, question_column: str = "",
-                      answer_column: str = "", skip_malformed: bool = False) -> dict:
+def grade_completion_file(path: str, data: str, completion_column: str = "completion", key: str | None = None,
+                          mode: str = "cot", max_rows: int = 0, out_dir: str | None = None,
+                          question_column: str = "", answer_column: str = "", skip_malformed: bool = False) -> dict:
     """Grade the completions of a file against one data file without generating; returns the
     results (and writes results.json, report.md and the graded completions under out_dir)."""
     bench = load_benchmark(data, max_rows, question_column, answer_column, skip_malformed)
@@ -378,3 +379,6 @@ def score_completions(path: str, data: str, completion_column: str = "completion
     return results
 
 
+
+# score_completions, this module's old name (rewards.scoring's score_completions is the one of that name)
+__getattr__ = renamed_names(__name__, {"score_completions": (grade_completion_file, "grade_completion_file")})

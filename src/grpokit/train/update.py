@@ -4,13 +4,13 @@ algorithm); the policy's micro-loss and the metrics its sums reduce to are here 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from grpokit import distributed
 from grpokit.config import GRPOConfig
+from grpokit.errors import renamed_names
 from grpokit.math import loss_denominator
 from grpokit.micro_batches import RowLayout
 from grpokit.models.sharding import grad_norm_value
@@ -151,11 +151,6 @@ def policy_metrics(sums: dict, skipped: int) -> dict:
     return out
 
 
-def __getattr__(name: str):
-    """micro_batches, this module's old name for split_minibatch (0.3: grpokit.micro_batches is the module
-    of that name), still works for one release, with a warning."""
-    if name == "micro_batches":
-        warnings.warn("grpokit.train.update.micro_batches is deprecated: use split_minibatch (the old name goes "
-                      "in the next release)", FutureWarning, stacklevel=2)
-        return split_minibatch
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# micro_batches, this module's old name (grpokit.micro_batches is the module of that name)
+__getattr__ = renamed_names(__name__, {"micro_batches": (split_minibatch, "split_minibatch")})
