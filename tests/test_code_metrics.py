@@ -14,13 +14,12 @@ sys.modules["code_metrics"] = code_metrics  # its dataclass looks itself up ther
 _spec.loader.exec_module(code_metrics)
 
 # goal (issue 52): 0 long functions, <= 8 wide ones (none in pipeline/ or train/), <= 15 lazy imports,
-# pipeline/stages.py <= 300 lines
-MAX_LONG_FUNCTIONS = 6
-MAX_WIDE_FUNCTIONS = 25
-MAX_INNER_IMPORTS = 20
-MAX_STAGES_LINES = 571
-NO_WIDE_FUNCTIONS_IN = ()
-
+# pipeline/stages.py <= 300 lines. All but the wide count are there; that one is today's (a ratchet).
+MAX_LONG_FUNCTIONS = 0
+MAX_WIDE_FUNCTIONS = 12
+MAX_INNER_IMPORTS = 15
+MAX_STAGES_LINES = 300
+NO_WIDE_FUNCTIONS_IN = ("pipeline/", "train/")
 
 def test_the_source_stays_within_its_size_limits():
     m = code_metrics.measure()
