@@ -36,12 +36,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from grpokit.pipeline.build import load_policy, seed_everything
 from grpokit.cli import DEMO_PRESET
-from grpokit.config import Config, load_config
+from grpokit.config import Config
+from grpokit.config import read_config as load_config  # the file's own values; no registry check
 from grpokit.data import arithmetic
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rollout import SamplingParams
@@ -213,7 +215,7 @@ def profile_eval(config: Config, threads: list[int], questions: int, checkpoint:
 
 def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str | None) -> None:
     """GRPO steps at each thread count, taking turns, split by the timings the trainer logs."""
-    from grpokit.pipeline.build import make_trainer
+    from grpokit.pipeline.build import RunSetup, make_trainer
 
     if checkpoint:
         model, tokenizer = load_model_and_tokenizer(checkpoint, dtype="fp32", device="cpu")
@@ -227,7 +229,8 @@ def profile_grpo(config: Config, threads: list[int], steps: int, checkpoint: str
     saved = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as run_dir:
         seed_everything(config.seed)
-        trainer = make_trainer(config, model, tokenizer, rl_rows, run_dir, progress=False)
+        trainer = make_trainer(RunSetup(config, Path(run_dir), task_for(config), model, tokenizer, rl_rows,
+                                        progress=False))
         trainer.step()  # warm-up
         for i in range(steps * len(settings)):
             setting = settings[i % len(settings)]

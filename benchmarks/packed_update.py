@@ -33,6 +33,7 @@ from grpokit.micro_batches import RowLayout
 from grpokit.models import load_model_and_tokenizer
 from grpokit.rewards import WeightedReward
 from grpokit.models.logprobs import token_logprobs
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.packing import packs_apart
 from grpokit.types import Rollout
@@ -104,14 +105,16 @@ def main() -> None:
                                       config.temperature, pack=True)[0]
         warm = rollout.take(torch.arange(args.group))  # one group, untimed: the first backward's allocations
         trainer.layout = RowLayout.of(False, warm.attention_mask, warm.prompt_length)
-        trainer.update_policy(warm, advantages[: args.group], loss_mask[: args.group], ref_logp[: args.group], None)
+        trainer.update_policy(Batch(warm, None, loss_mask[: args.group], ref_logp[: args.group], None, tokenizer, True,
+                                    layout=trainer.layout), advantages[: args.group])
         results = {"padded": [], "packed": []}
         for repeat in range(args.repeats):
             order = ["padded", "packed"] if repeat % 2 == 0 else ["packed", "padded"]
             for name in order:
                 trainer.layout = RowLayout.of(name == "packed", rollout.attention_mask, rollout.prompt_length)
                 started = time.perf_counter()
-                trainer.update_policy(rollout, advantages, loss_mask, ref_logp, None)
+                trainer.update_policy(Batch(rollout, None, loss_mask, ref_logp, None, tokenizer, True,
+                                            layout=trainer.layout), advantages)
                 update_s = time.perf_counter() - started
                 update_tokens = trainer.layout.computed
                 trainer.layout = RowLayout.of(name == "packed", rollout.attention_mask, rollout.prompt_length)

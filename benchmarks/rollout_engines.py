@@ -170,7 +170,7 @@ def equivalence(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpokit.config import load_config
+    from grpokit.config import read_config as load_config
     from grpokit.rollout import SamplingParams
     from grpokit.rollout.engine import HFEngine
     from grpokit.rollout.vllm import VLLMEngine

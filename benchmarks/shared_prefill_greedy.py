@@ -33,7 +33,7 @@ def main() -> None:
 
     import torch
 
-    from grpokit.bench.limit import load_for_rollouts
+    from grpokit.bench.generation import load_for_rollouts
     from grpokit.checks import load_config
     from grpokit.rollout import SamplingParams, make_engine
     from grpokit.tasks import task_for

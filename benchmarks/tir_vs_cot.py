@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=500)
     args = parser.parse_args(argv)
 
-    from grpokit.config import load_config
+    from grpokit.config import read_config as load_config
     from grpokit.eval.evaluate import evaluate_tir
     from grpokit.models import load_model_and_tokenizer
     from grpokit.rollout import HFEngine, SamplingParams, max_model_len

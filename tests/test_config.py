@@ -306,3 +306,14 @@ def test_names_are_checked_above_the_config():
     config.task.name = "countdown"  # the task's own reward replaces the default one
     checks.check_names(config)
     assert [r.name for r in config.rewards] == ["grpokit.tasks.countdown:countdown_accuracy"]
+
+
+def test_the_chain_tasks_keys_default_to_its_spec():
+    """config/ imports nothing of data/: the task section repeats ChainSpec's defaults, and this holds them equal."""
+    import dataclasses
+
+    from grpokit.config import TaskConfig
+    from grpokit.data.arithmetic import ChainSpec
+
+    task = TaskConfig()
+    assert {f.name: getattr(task, f.name) for f in dataclasses.fields(ChainSpec)} == dataclasses.asdict(ChainSpec())

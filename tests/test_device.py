@@ -62,7 +62,7 @@ def test_the_learning_half_of_a_grpo_step_keeps_every_tensor_on_the_policy_devic
     ref_logp, old_logp = trainer.fixed_logprobs(rollout)  # what Trainer.step does
     batch = Batch(rollout, result, loss_mask, ref_logp, old_logp, tokenizer, True)
     advantages, _ = trainer.algorithm.advantages(batch)
-    micro_loss = trainer.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp)
+    micro_loss = trainer.policy_micro_loss(batch, advantages)
     loss, sums = micro_loss(torch.arange(rollout.num_samples, device=META), 0)
     loss.backward()
     assert loss_mask.device == ref_logp.device == old_logp.device == loss.device == META
@@ -93,7 +93,8 @@ def test_the_learning_half_of_a_ppo_step_keeps_every_tensor_on_the_policy_device
     batch = Batch(rollout, result, loss_mask, old_logp, old_logp, tokenizer, True,
                   extras={"old_values": old_values, "returns": returns})
     rows = torch.arange(rollout.num_samples, device=META)
-    policy_loss, _ = trainer.policy_micro_loss(rollout, advantages, loss_mask, None, old_logp)(rows, 0)
+    policy_batch = Batch(rollout, result, loss_mask, None, old_logp, tokenizer, True)
+    policy_loss, _ = trainer.policy_micro_loss(policy_batch, advantages)(rows, 0)
     critic_loss, sums = ppo.critic_micro_loss(batch)(rows, 0)
     (policy_loss + critic_loss).backward()
     assert policy_loss.device == critic_loss.device == META and all(v.device == META for v in sums.values())

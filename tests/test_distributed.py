@@ -25,6 +25,7 @@ from grpokit.models.precision import set_compute_dtype
 from grpokit.rewards import WeightedReward
 from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.models.reference import frozen_copy
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from run_helpers import free_port, spawn_ranks
 
@@ -92,7 +93,8 @@ def one_step(rows, rollout, rewards, valid, aggregation: str, lora: bool, rank: 
     loss_mask = local.completion_mask * valid[mine].unsqueeze(1)
     ref_logp, old_logp = trainer.fixed_logprobs(local)
     if steps:
-        trainer.update_policy(local, advantages, loss_mask, ref_logp, old_logp)
+        trainer.update_policy(Batch(local, None, loss_mask, ref_logp, old_logp, tokenizer, True, layout=trainer.layout),
+                              advantages)
     return full_state_dict(model)
 
 

@@ -180,7 +180,7 @@ def test_every_command_example_is_real(argv, output, env, monkeypatch):
                     if line.startswith("grpokit: config error: ")), None)
     if refused is not None:  # the Bad input reference: refused, with the message it quotes
         from grpokit.models.loading import check_model_config
-        from grpokit.pipeline.stages import check_reward_model_setup
+        from grpokit.pipeline.inputs import check_reward_model_setup
 
         with pytest.raises(ConfigError) as err:  # the checks made before any model loads
             config = _config_of(argv)

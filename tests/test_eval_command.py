@@ -17,10 +17,10 @@ from grpokit.eval.benchmark import (
     EvalSettings,
     Timings,
     evaluate_chunk,
+    grade_completion_file,
     prompt_format,
     render_prompt,
     resolve_model,
-    score_completions,
 )
 from grpokit.eval.questions import dataset_name, load_benchmark
 from grpokit.eval.report import compare_markdown, metrics
@@ -441,11 +441,11 @@ def test_scoring_by_order_and_by_key(tmp_path):
     data = _plain_file(tmp_path, [{"question": "A?", "answer": "1"}, {"question": "B?", "answer": "2"}])
     by_order = tmp_path / "order.jsonl"
     by_order.write_text('{"completion": "\\\\boxed{1}"}\n{"completion": "\\\\boxed{3}"}\n')
-    cell = score_completions(str(by_order), str(data))["results"]["plain"]["cot"]
+    cell = grade_completion_file(str(by_order), str(data))["results"]["plain"]["cot"]
     assert (cell["correct"], cell["total"], cell["accuracy"]) == (1, 2, 0.5)
     by_key = tmp_path / "key.jsonl"
     by_key.write_text('{"q": "B?", "text": "\\\\boxed{2}"}\n{"q": " A? ", "text": "A: 1"}\n')
-    cell = score_completions(str(by_key), str(data), "text", key="q", mode="tir",
+    cell = grade_completion_file(str(by_key), str(data), "text", key="q", mode="tir",
                              out_dir=str(tmp_path / "out"))["results"]["plain"]["tir"]
     assert (cell["correct"], cell["total"]) == (2, 2)
     assert [r["index"] for r in read_jsonl(tmp_path / "out" / "completions-plain-tir.jsonl")] == [1, 0]

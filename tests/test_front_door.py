@@ -1,4 +1,4 @@
-"""grpokit.train, the Python front door (grpokit/pipeline/api.py): the README's snippet as written, the same run as
+"""grpokit.train, the Python front door (grpokit/front_door/__init__.py): the README's snippet as written, the same run as
 `grpokit train`, its refusals of bad input, a reward function that raises, and run directories kept."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import grpokit
-from grpokit.pipeline.api import _dataset_source
+from grpokit.front_door import _dataset_source
 from grpokit.cli import main as cli_main
 from grpokit.checks import load_config
 from grpokit.config import ConfigError

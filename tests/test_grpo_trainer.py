@@ -13,6 +13,7 @@ from grpokit.data import arithmetic
 from grpokit.math import masked_outcome_advantages
 from grpokit.rewards import WeightedReward
 from grpokit.train.failures import RewardFailure
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.step_metrics import zero_std_fraction
 
@@ -107,7 +108,8 @@ def test_micro_batching_gives_the_same_gradient(tiny_model, tokenizer, chain_row
             mask = rollout.completion_mask.clone()
             mask[5] = 0  # a failed sample: empty row
             ref_logp, _ = trainer.fixed_logprobs(rollout)
-            trainer.update_policy(rollout, adv, mask, ref_logp, None)
+            trainer.update_policy(Batch(rollout, None, mask, ref_logp, None, tokenizer, True, layout=trainer.layout),
+                                  adv)
             updated.append(model.state_dict())
         for k in updated[0]:
             torch.testing.assert_close(updated[0][k], updated[1][k], atol=2e-6, rtol=1e-4)
@@ -197,3 +199,26 @@ def test_process_supervision_mixes_with_rule_based_rewards(tiny_model, tokenizer
 def test_a_trainer_without_any_reward_is_refused(tiny_model, tokenizer, chain_rows, tmp_path):
     with pytest.raises(ValueError, match="needs a reward"):
         GRPOTrainer(tiny_model, tokenizer, [], chain_rows, small_config(), tmp_path)
+
+
+def test_the_registry_is_looked_up_once_per_run_not_per_micro_batch(monkeypatch):
+    """The run's loss (GRPOObjective) is made once when the algorithm is set up: its registered policy loss and
+    importance-sampling correction are looked up then, and no micro-batch's loss looks them up again."""
+    from grpokit.config import RolloutConfig
+    from grpokit.math import losses
+    from grpokit.train.grpo import GRPO
+
+    lookups = []
+    for name in ("registered_policy_loss", "registered_is_correction"):
+        real = getattr(losses, name)
+        monkeypatch.setattr(losses, name, lambda key, real=real, name=name: lookups.append(name) or real(key))
+    algorithm = GRPO()
+    algorithm.setup(None, GRPOConfig(beta=0.0, loss_aggregation="token"), RolloutConfig(is_correction="tis"))
+    made = list(lookups)
+    logp = torch.tensor([[-1.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    sampling = torch.tensor([[-1.1, -0.4]], dtype=torch.float64)
+    for _ in range(3):  # three micro-batches
+        algorithm.loss(logp, logp.detach(), None, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), None,
+                       sampling)
+    assert made == ["registered_policy_loss"]
+    assert lookups == made + ["registered_is_correction"]  # the correction once, on its first use

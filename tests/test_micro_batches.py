@@ -12,7 +12,7 @@ from grpokit.config import ConfigError, GRPOConfig, SFTConfig
 from grpokit.micro_batches import split_by_tokens, split_until
 from grpokit.models import build_tiny_model
 from grpokit.rewards import WeightedReward
-from grpokit.rollout import token_logprobs
+from grpokit.models.logprobs import token_logprobs
 from grpokit.models.logprobs import labelled_logprobs
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.ppo import PPOTrainer

@@ -14,9 +14,10 @@ from grpokit.models.precision import set_compute_dtype
 from grpokit.models.value import build_critic, token_values
 from grpokit.rewards import WeightedReward
 from grpokit.models.logprobs import token_logprobs
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.packing import packs_apart
-from grpokit.train.update import micro_batches as split_micro_batches
+from grpokit.train.update import split_minibatch as split_micro_batches
 from grpokit.train.sft import PACKING_TOLERANCE
 from grpokit.types import Rollout
 from test_grpo_trainer import length_reward, small_config
@@ -183,7 +184,8 @@ def update_gradients(trainer: GRPOTrainer, rollout: Rollout, pack: bool) -> list
         base = token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length)[0]
     ref_logp = base + 0.1 * torch.randn(base.shape, generator=g)  # a reference away from the policy: KL terms
     old_logp = base + 0.05 * torch.randn(base.shape, generator=g)  # and ratios away from 1: clipping
-    micro_loss = trainer.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp)
+    batch = Batch(rollout, None, loss_mask, ref_logp, old_logp, None, True, layout=trainer.layout)
+    micro_loss = trainer.policy_micro_loss(batch, advantages)
     total = loss_denominator(loss_mask, trainer.config.loss_aggregation)
     model.zero_grad(set_to_none=True)
     lengths = trainer.layout.row_lengths(rollout.attention_mask, rollout.prompt_length)

@@ -42,7 +42,7 @@ def test_each_evaluation_first_readies_an_engine_that_holds_its_own_weights(monk
     from types import SimpleNamespace
 
     from grpokit.checks import load_config
-    from grpokit.pipeline import stages
+    from grpokit.pipeline import rl
 
     calls = []
 
@@ -54,13 +54,17 @@ def test_each_evaluation_first_readies_an_engine_that_holds_its_own_weights(monk
         calls.append(("evaluate", kwargs["k"]))
         return SimpleNamespace(greedy_accuracy=0.5)
 
-    monkeypatch.setattr(stages, "evaluate", evaluate)
+    monkeypatch.setattr(rl, "evaluate", evaluate)
     config = load_config(overrides=["--eval.every_steps=2", "--grpo.max_steps=5"])
     task = SimpleNamespace(extract_answer=None, grade=None)
-    hook = stages._periodic_heldout(config, task, None, None, [{"prompt": "q", "answer": "1"}], None, Sampler())
+    run = SimpleNamespace(config=config, task=task, model=None, tokenizer=None, engine=None,
+                          heldout=[{"prompt": "q", "answer": "1"}])
+    hook = rl._periodic_heldout(run, Sampler())
     assert hook(1) == {} and calls == []
     assert hook(2)["heldout/greedy_accuracy"] == 0.5
     assert calls == [("ready", 2), ("evaluate", 0)]  # greedy only
     assert hook(4) and hook(5) == {}  # step 5 is the last: the evaluation after RL
     assert calls[2:] == [("ready", 4), ("evaluate", 0)]
-    assert stages._periodic_heldout(load_config(), task, None, None, [{"prompt": "q"}], None, Sampler()) is None
+    run = SimpleNamespace(config=load_config(), task=task, model=None, tokenizer=None, engine=None,
+                          heldout=[{"prompt": "q"}])
+    assert rl._periodic_heldout(run, Sampler()) is None

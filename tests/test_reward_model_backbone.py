@@ -9,7 +9,7 @@ import torch
 from grpokit.checks import load_config
 from grpokit.config import ConfigError
 from grpokit.models import build_char_tokenizer, build_tiny_model
-from grpokit.pipeline.build import ASCII_ALPHABET, load_policy, reward_model_backbone, reward_model_stage
+from grpokit.pipeline.build import ASCII_ALPHABET, RunSetup, load_policy, reward_model_backbone, reward_model_stage
 from grpokit.rewards.learned import ProcessRewardModel, new_reward_model
 from grpokit.tasks import task_for
 
@@ -74,8 +74,8 @@ def test_a_checkpoint_backbone_keeps_its_own_tokenizer_and_scores_the_policys_st
 def test_the_reward_model_stage_builds_the_backbone_the_config_names(tmp_path):
     config, policy, tokenizer = _policy(["--reward_model.kind=process", "--reward_model.model.init=tiny",
                                          "--reward_model.model.hidden_size=16", "--reward_model.model.num_heads=2"])
-    stage = reward_model_stage(config, task_for(config), policy, tokenizer, [{"prompt": "1+1=?", "answer": "2"}],
-                               tmp_path, progress=False)
+    stage = reward_model_stage(RunSetup(config, tmp_path, task_for(config), policy, tokenizer,
+                                        [{"prompt": "1+1=?", "answer": "2"}], progress=False))
     assert stage.kind == "process" and stage.scorer.model.config.hidden_size == 16
     assert stage.scorer.model.config.hidden_size != policy.config.hidden_size
 

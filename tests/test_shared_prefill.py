@@ -5,7 +5,8 @@ completions with left-padded prompts of different lengths, and keep hf_static's 
 import pytest
 import torch
 
-from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout import SamplingParams, sample_groups
 from grpokit.rollout import sampler
 from grpokit.rollout.hf_static import StaticCacheDecoder, StaticCacheEngine
 from run_helpers import bucketed_tv

@@ -12,6 +12,7 @@ from grpokit.eval.tir import (
     build_prompt,
     final_answer,
     plain_chat,
+    RolloutLimits,
     Timings,
     rollouts,
 )
@@ -150,7 +151,7 @@ def tir(script, prompts, max_tool_calls=4, max_new_tokens=200, tool=None):
     """Greedy TIR rollouts of `prompts` on `script`: the traces, their stop reasons and timings."""
     timings = Timings()
     out = rollouts(script, TOKENIZER, prompts, "tir", SamplingParams(max_new_tokens, 0.0, stop=(OUTPUT_STOP,)),
-                   10_000, 0, timings, max_tool_calls, tool)
+                   RolloutLimits(10_000, 0, max_tool_calls, tool), timings)
     return [trace for trace, _ in out], [reason for _, reason in out], timings
 
 
@@ -220,4 +221,4 @@ def test_rollout_counts_tool_output_in_the_length_limit_and_checks_its_inputs():
         tir(Script({"Q": []}), ["Q"], max_tool_calls=0)
     assert tir(Script({}), [])[:2] == ([], [])
     with pytest.raises(ValueError, match="cannot continue from token ids"):
-        rollouts(object(), TOKENIZER, ["Q"], "tir", SamplingParams(8), 100, 0, Timings())
+        rollouts(object(), TOKENIZER, ["Q"], "tir", SamplingParams(8), RolloutLimits(100), Timings())

@@ -27,6 +27,7 @@ from grpokit.rollout.hf_static import StaticCacheDecoder, StaticCacheEngine
 from grpokit.tools import ToolOutput, make_tool, register_tool
 from run_helpers import spawn_ranks
 from grpokit.tools.python import PythonTool
+from grpokit.train.algorithm import Batch
 from grpokit.train.grpo import GRPOTrainer
 from grpokit.train.ppo import shaped_token_rewards
 
@@ -244,7 +245,8 @@ def test_the_trainer_scores_the_rollouts_tokens_with_tool_output_as_context(two_
     n = result.rollout.num_samples
     scores = RewardResult(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}, {})
     rollout, loss_mask = trainer.on_policy_device(result.rollout, scores)
-    micro_loss = trainer.policy_micro_loss(rollout, torch.tensor([1.0, -1.0]), loss_mask, None, None)
+    batch = Batch(rollout, scores, loss_mask, None, None, tir_tokenizer, True, layout=trainer.layout)
+    micro_loss = trainer.policy_micro_loss(batch, torch.tensor([1.0, -1.0]))
     loss, sums = micro_loss(torch.arange(n), 0, float(POLICY + OTHER))
     assert float(sums["tokens"]) == POLICY + OTHER and float(sums["entropy_tokens"]) == POLICY + OTHER
     assert torch.isfinite(loss)

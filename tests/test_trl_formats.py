@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import grpokit
-from grpokit.pipeline.api import _dataset_source
+from grpokit.front_door import _dataset_source
 from grpokit.config import ConfigError
 from grpokit.data.files import DatasetError
 from grpokit.data.templates import MESSAGES, render_messages

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from grpokit.models import build_char_tokenizer, build_tiny_model
-from grpokit.rollout import SamplingParams, sample_groups, token_logprobs
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout import SamplingParams, sample_groups
 
 pytestmark = [
     pytest.mark.vllm,

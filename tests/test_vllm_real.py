@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpokit.rollout import SamplingParams, request_seeds, sample_groups, token_logprobs
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout import SamplingParams, request_seeds, sample_groups
 
 REAL_MODEL = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 QUESTIONS = Path(__file__).parent / "fixtures" / "gsm8k_test_sample.jsonl"  # GSM8K test rows: never trained on

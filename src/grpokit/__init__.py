@@ -4,7 +4,7 @@ The math is importable from here without loading transformers:
 
     from grpokit import outcome_advantages, process_advantages, kl_k3, grpo_loss, gae_advantages
 
-and training from Python is one call, the same run as `grpokit train` (grpokit/pipeline/api.py; it loads
+and training from Python is one call, the same run as `grpokit train` (grpokit/front_door/__init__.py; it loads
 the training stack when called, not on `import grpokit`):
 
     run = grpokit.train("tiny", rewards=["chain_accuracy"], config={"grpo.max_steps": 2})
@@ -48,6 +48,7 @@ MOVED_MODULES = {
     "grpokit.stages": "grpokit.pipeline.stages",
     # 0.3: the log-prob passes sit below rollout and rewards, which both score tokens with them
     "grpokit.rollout.logprobs": "grpokit.models.logprobs",
+    "grpokit.pipeline.api": "grpokit.front_door",
 }
 
 
@@ -76,7 +77,7 @@ class _TrainPackage(types.ModuleType):
     be replaced by it; the package itself is made callable instead."""
 
     def __call__(self, *args, **kwargs):
-        from grpokit.pipeline.api import train  # the training stack loads here, not on `import grpokit`
+        from grpokit.front_door import train  # the training stack loads here, not on `import grpokit`
 
         return train(*args, **kwargs)
 
@@ -88,7 +89,7 @@ importlib.import_module("grpokit.train").__class__ = _TrainPackage
 def __getattr__(name: str):
     """grpokit.Run, the result of grpokit.train, loaded on first use like the front door."""
     if name == "Run":
-        from grpokit.pipeline.api import Run
+        from grpokit.front_door import Run
 
         return Run
     raise AttributeError(f"module 'grpokit' has no attribute {name!r}")

@@ -211,6 +211,32 @@ class ComputedTokens:
         return 1.0 - self.real / self.computed if self.computed else 0.0
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How a forward pass over rows cuts them into micro-batches: at most `micro_batch_size` rows (packed
+    rows, when packing) and `max_tokens` tokens each (a longer row is an error naming `budget_key`),
+    packed rows of `pack_width` tokens; `counter` adds up the tokens each forward computed."""
+
+    micro_batch_size: int = 32
+    max_tokens: int | None = None
+    budget_key: str = "max_tokens"
+    pack_width: int | None = None
+    counter: ComputedTokens | None = None
+
+
+def packed_forwards(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, cut: Cut,
+                    lockstep: bool):
+    """Each packed micro-batch's PackedInputs (packed_micro_batches, packed_inputs) in turn, its tokens
+    counted in cut.counter. lockstep: as packed_micro_batches' (a sharded model's processes)."""
+    lengths = packed_lengths(attention_mask, prompt_length)
+    for rows in packed_micro_batches(lengths, cut.max_tokens, cut.micro_batch_size, cut.budget_key, lockstep,
+                                     cut.pack_width):
+        packed = packed_inputs(input_ids, attention_mask, prompt_length, rows)
+        if cut.counter is not None:
+            cut.counter.add(packed.input_ids.numel(), packed.real_tokens)
+        yield packed
+
+
 @dataclass
 class RowLayout:
     """How one RL step's forward passes lay out its rows, and what they computed.

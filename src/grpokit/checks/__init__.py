@@ -6,7 +6,7 @@ grpokit.config is a leaf that every layer reads: it checks what the config's own
 (types, bounds, keys that go together) and imports no registry. The registries sit above it, and
 so does this module, above tasks, rewards, rollout, run and tools: `load_config` here is
 grpokit.config's with these checks added, which is how the CLI, `grpokit.train(...)` and a resumed
-run read a config. A config built another way (`Config(...)`, grpokit.config.load_config) is
+run read a config. A config built another way (`Config(...)`, grpokit.config.read_config) is
 checked whole by `validate`.
 """
 
@@ -32,15 +32,15 @@ __all__ = ["check_names", "load_config", "name_problems", "validate"]
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config,
                 announce_renames: bool = True):
-    """grpokit.config.load_config, with the names checked against the registries too (check_names):
+    """grpokit.config.read_config, with the names checked against the registries too (check_names):
     a config as a run reads it, every problem a ConfigError before any model loads."""
-    return _config.load_config(path, overrides, cls, announce_renames, check=check_names if cls is Config else None)
+    return _config.read_config(path, overrides, cls, announce_renames, check=check_names if cls is Config else None)
 
 
 def validate(config: Config) -> None:
-    """The first problem of `config` as a ConfigError: grpokit.config.validate's (its own values),
+    """The first problem of `config` as a ConfigError: grpokit.config.check_values' (its own values),
     then check_names' (the names it gives registered pieces)."""
-    _config.validate(config)
+    _config.check_values(config)
     check_names(config)
 
 

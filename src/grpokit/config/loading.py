@@ -20,7 +20,7 @@ import pydantic
 import yaml
 
 from grpokit.config.schema import Config, leaf_paths, to_dict
-from grpokit.config.validation import validate
+from grpokit.config.validation import check_values
 from grpokit.errors import ConfigError
 
 # Keys that moved: old dotted key -> new dotted key. Wherever keys come in (YAML files, nested
@@ -237,13 +237,13 @@ def apply_overrides(data: dict, overrides: list[str], cls=Config, moved: dict[st
     return data
 
 
-def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config,
+def read_config(path: str | Path | list | None = None, overrides: list[str] | None = None, cls=Config,
                 announce_renames: bool = True, check: Callable[[Config], None] | None = None):
     """Config from optional YAML files (later files override earlier ones, key by key) plus
-    overrides, validated (grpokit.config.validate). Old keys (RENAMED_KEYS) set their new ones, and an
+    overrides, validated (grpokit.config.check_values). Old keys (RENAMED_KEYS) set their new ones, and an
     error about one names it as it was written; `announce_renames=False` for a file grpokit wrote
     itself (a run's config.yaml), whose old keys are no news to the user. `check`: more checks of the
-    config, run after validate's and reported the same way; grpokit.checks.load_config passes the
+    config, run after check_values' and reported the same way; grpokit.checks.load_config passes the
     registries' (the names of rewards, engines, tasks, ...), which this leaf package does not import."""
     data: dict = {}
     moved: dict[str, str] = {}  # {new key: old key} of the old keys given, to name them as written in errors
@@ -268,7 +268,7 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
     except ConfigError as err:
         raise ConfigError(_with_old_names(_with_source(err, paths, overrides or [], cls), moved)) from None
     try:
-        validate(config)
+        check_values(config)
         if check is not None:
             check(config)
     except ConfigError as err:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,9 +15,9 @@ from typing import Any, Literal, Optional
 
 import pydantic
 
-from grpokit.data.arithmetic import ChainSpec
-
-_CHAIN = ChainSpec()
+# The chain task's shape, data.arithmetic.ChainSpec's defaults (tests/test_config.py holds them equal): the
+# config, a leaf below the tasks and their data, imports nothing of data/.
+_CHAIN = types.SimpleNamespace(min_ops=3, max_ops=5, max_start=20, max_operand=9, max_value=20, heldout_percent=10)
 
 
 def _is_address(text: str) -> bool:
@@ -154,7 +155,7 @@ class DistributedConfig:
 
 @dataclass
 class TaskConfig:
-    # the chain task's shape defaults to data.arithmetic.ChainSpec's: one source for both
+    # the chain task's shape defaults to data.arithmetic.ChainSpec's (_CHAIN above)
     name: str = opt("auto", "the task: auto (math when data names any sources, else chain), a registered task, "
                             "or your own as 'package.module:ClassName'; the task's own reward (auto's too) replaces "
                             "the default rewards")

@@ -53,7 +53,7 @@ def worker_secret_problems(address: str, secret: str) -> Iterator[str]:
                f"`{MAKE_SECRET}`), or keep rollout.worker_address on 127.0.0.1")
 
 
-def validate(config: Config) -> None:
+def check_values(config: Config) -> None:
     """The first problem of `config` as a ConfigError: its sections' own rules, section by section,
     then the rules that span sections. The names it gives registered pieces are checked by
     grpokit.checks.check_names (grpokit.checks.validate: both)."""

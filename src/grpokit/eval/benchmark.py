@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.errors import renamed_names
 from grpokit.run.checkpoint import CheckpointError, CheckpointManager
 from grpokit.checks import load_config
 from grpokit.config import Config, EvalConfig, ModelConfig, RolloutConfig
@@ -49,7 +50,7 @@ from grpokit.eval.records import (
     writable_output_dir,
 )
 from grpokit.eval.report import MODE_TITLES, PLAIN_LAYOUT, metrics, report_markdown
-from grpokit.eval.tir import Timings, TIRTrace, rollouts
+from grpokit.eval.tir import RolloutLimits, Timings, TIRTrace, rollouts
 from grpokit.tools.python import OUTPUT_STOP
 from grpokit.tools.python import PythonTool
 from grpokit.models.loading import (
@@ -184,14 +185,13 @@ def evaluate_chunk(bench: Benchmark, indices: list[int], mode: str, engine, toke
     prompts = [task_prompt(task, row, mode, tokenizer) for row in rows]
     tool = PythonTool(timeout_s=settings.tool_timeout)
     greedy_params = SamplingParams(settings.max_new_tokens, 0.0, 1.0, settings.batch_size, stop=stop)
-    greedy = rollouts(engine, tokenizer, prompts, mode, greedy_params, settings.max_model_len, settings.seed, timings,
-                      settings.max_tool_calls, tool)
+    limits = RolloutLimits(settings.max_model_len, settings.seed, settings.max_tool_calls, tool)
+    greedy = rollouts(engine, tokenizer, prompts, mode, greedy_params, limits, timings)
     samples: list[tuple[TIRTrace, str]] = []
     if settings.k:
         params = SamplingParams(settings.max_new_tokens, settings.temperature, 1.0, settings.batch_size, stop=stop)
         repeated = [p for p in prompts for _ in range(settings.k)]
-        samples = rollouts(engine, tokenizer, repeated, mode, params, settings.max_model_len, settings.seed, timings,
-                           settings.max_tool_calls, tool)
+        samples = rollouts(engine, tokenizer, repeated, mode, params, limits, timings)
     start = time.perf_counter()
     completions = [t.completion for t, _ in greedy + samples]
     read_answer = task.tir_answer if mode == "tir" else task.extract_answer
@@ -345,9 +345,9 @@ def align_completions(path: str, bench: Benchmark, completion_column: str = "com
     return pairs
 
 
-def score_completions(path: str, data: str, completion_column: str = "completion", key: str | None = None,
-                      mode: str = "cot", max_rows: int = 0, out_dir: str | None = None, question_column: str = "",
-                      answer_column: str = "", skip_malformed: bool = False) -> dict:
+def grade_completion_file(path: str, data: str, completion_column: str = "completion", key: str | None = None,
+                          mode: str = "cot", max_rows: int = 0, out_dir: str | None = None,
+                          question_column: str = "", answer_column: str = "", skip_malformed: bool = False) -> dict:
     """Grade the completions of a file against one data file without generating; returns the
     results (and writes results.json, report.md and the graded completions under out_dir)."""
     bench = load_benchmark(data, max_rows, question_column, answer_column, skip_malformed)
@@ -378,3 +378,6 @@ def score_completions(path: str, data: str, completion_column: str = "completion
     return results
 
 
+
+# score_completions, this module's old name (rewards.scoring's score_completions is the one of that name)
+__getattr__ = renamed_names(__name__, {"score_completions": (grade_completion_file, "grade_completion_file")})

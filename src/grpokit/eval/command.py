@@ -13,7 +13,7 @@ from grpokit.run.checkpoint import CheckpointError
 from grpokit.config import Config
 from grpokit.data.files import DatasetError
 from grpokit.errors import EvalError
-from grpokit.eval.benchmark import EVAL, MODEL, ROLLOUT, EvalSettings, run_evaluation, score_completions
+from grpokit.eval.benchmark import EVAL, MODEL, ROLLOUT, EvalSettings, grade_completion_file, run_evaluation
 from grpokit.eval.questions import HELDOUT
 from grpokit.eval.records import REPORT, RESULTS
 from grpokit.eval.report import MODES, compare_runs, report_markdown
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             modes = _modes(args.mode if args.mode != "cot,tir" else "cot")
             if len(modes) != 1:
                 raise EvalError("--completions scores one mode; --mode names it (cot or tir)")
-            results = score_completions(args.completions, args.data[0], args.completion_column, args.key, modes[0],
-                                        args.max_rows, args.output_dir, args.question_column, args.answer_column,
-                                        args.skip_malformed_lines)
+            results = grade_completion_file(args.completions, args.data[0], args.completion_column, args.key,
+                                            modes[0], args.max_rows, args.output_dir, args.question_column,
+                                            args.answer_column, args.skip_malformed_lines)
             print(report_markdown(results))
             if args.output_dir:
                 print(f"wrote {Path(args.output_dir) / RESULTS}")

@@ -12,7 +12,7 @@ from math import comb
 
 from grpokit import distributed
 from grpokit.config import Config
-from grpokit.eval.tir import Timings, rollouts
+from grpokit.eval.tir import RolloutLimits, Timings, rollouts
 from grpokit.tools.python import OUTPUT_STOP
 from grpokit.tools.python import PythonTool
 from grpokit.run.progress import progress as progress_bar
@@ -182,10 +182,11 @@ def evaluate_tir(
         raise ValueError("evaluate_tir got no rows")
     start, timings = time.perf_counter(), Timings()
     params = SamplingParams(max_new_tokens, 0.0, 1.0, batch_size, stop=(OUTPUT_STOP,))
-    traced, tool = [], PythonTool(timeout_s=tool_timeout_s)
+    traced = []
+    limits = RolloutLimits(max_model_len, 0, max_tool_calls, PythonTool(timeout_s=tool_timeout_s))
     for first in range(0, len(rows), batch_size):  # each question's rounds are its own: calls of batch_size
         part = [r["prompt"] for r in rows[first : first + batch_size]]
-        traced += rollouts(engine, tokenizer, part, "tir", params, max_model_len, 0, timings, max_tool_calls, tool)
+        traced += rollouts(engine, tokenizer, part, "tir", params, limits, timings)
         if bar is not None:
             bar.update(len(part))
     completions = [trace.completion for trace, _ in traced]

@@ -76,15 +76,25 @@ def prompt_seeds(seed: int, prompts: Sequence[str]) -> list[int]:
     return seeds
 
 
-def rollouts(engine, tokenizer, prompts: list[str], mode: str, params: SamplingParams, max_model_len: int,
-             seed: int, timings: Timings, max_tool_calls: int = 2, tool: Tool | None = None
-             ) -> list[tuple[TIRTrace, str]]:
+@dataclass(frozen=True)
+class RolloutLimits:
+    """What bounds an evaluation's rollouts: the engine's context, the seed its samples are drawn
+    from, and in TIR the tool (default: the Python tool) and how many calls of it a completion may make."""
+    max_model_len: int
+    seed: int = 0
+    max_tool_calls: int = 2
+    tool: Tool | None = None
+
+
+def rollouts(engine, tokenizer, prompts: list[str], mode: str, params: SamplingParams, limits: RolloutLimits,
+             timings: Timings) -> list[tuple[TIRTrace, str]]:
     """(trace, stop reason) per prompt. CoT: one generation (reasons: answer, length). TIR:
-    multi_turn_rollout with `tool` (default: the Python tool), the rollout RL trains on (reasons:
-    its STOP_REASONS). A prompt with no room for params.max_new_tokens within max_model_len gets
-    no completion (reason context_limit): evaluation never cuts a question."""
+    multi_turn_rollout with limits.tool, the rollout RL trains on (reasons: its STOP_REASONS). A
+    prompt with no room for params.max_new_tokens within limits.max_model_len gets no completion
+    (reason context_limit): evaluation never cuts a question."""
     if not prompts:
         return []
+    max_model_len, seed, max_tool_calls, tool = limits.max_model_len, limits.seed, limits.max_tool_calls, limits.tool
     start, tools_before = time.perf_counter(), timings.tools
     lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
     fits = [i for i, n in enumerate(lengths) if n + params.max_new_tokens <= max_model_len]

@@ -15,6 +15,7 @@ from grpokit.math.advantages import (
 from grpokit.math.losses import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
+    GRPOObjective,
     aggregate,
     bradley_terry_loss,
     grpo_loss,
@@ -45,6 +46,7 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "DEFAULT_IS_CAP",
+    "GRPOObjective",
     "IMPORTANCE_LEVELS",
     "IS_CORRECTIONS",
     "POLICY_LOSSES",

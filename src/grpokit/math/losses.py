@@ -1,7 +1,8 @@
 """Losses: the k3 KL estimator (eq. 4), GRPO's clipped objective (eq. 3) with its common
-variants (token / constant aggregation, GSPO's sequence ratio, an importance-sampling correction),
-PPO's value loss. The policy term and the importance correction are registered by name
-(math/registry.py); CISPO, TIS and icepop live in their own modules.
+variants (token / constant aggregation, GSPO's sequence ratio, an importance-sampling correction)
+as one run's GRPOObjective, PPO's value loss. Each policy term and importance correction is its own
+function registered by name (math/registry.py): the clipped surrogate here, CISPO, TIS and icepop in
+their own modules; GRPOObjective looks them up once.
 
 All inputs are per-token log-probs of the *sampled* tokens, shape [N, T], with a mask
 [N, T] that is 1 on completion tokens. Pure tensor code: no models, no I/O.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -67,16 +69,9 @@ def loss_denominator(mask: torch.Tensor, aggregation: str) -> float:
     return float(mask.shape[0])
 
 
-def _check_variant_args(
-    logp: torch.Tensor,
-    aggregation: str,
-    max_completion_length: int | None,
-    importance_level: str,
-    sampling_logp: torch.Tensor | None,
-    is_cap: float | None,
-    denominator: float | torch.Tensor | None,
-) -> None:
-    """Arguments of the options beyond the paper; each message names the argument to fix."""
+def _check_options(aggregation: str, max_completion_length: int | None, importance_level: str) -> None:
+    """The loss's options beyond the paper, checked once when a GRPOObjective is made; each message
+    names the argument to fix."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if importance_level not in IMPORTANCE_LEVELS:
@@ -92,6 +87,15 @@ def _check_variant_args(
             "aggregation='constant' divides by N * L_max and needs max_completion_length=L_max "
             "(the generation limit); pass it, or choose aggregation='sequence' or 'token'"
         )
+
+
+def _check_tensors(
+    logp: torch.Tensor,
+    sampling_logp: torch.Tensor | None,
+    is_cap: float | None,
+    denominator: float | torch.Tensor | None,
+) -> None:
+    """The arguments of one call that go with the options (sampling_logp and is_cap, denominator)."""
     if sampling_logp is None:
         if is_cap is not None:
             raise ValueError(
@@ -170,6 +174,142 @@ def clipped_surrogate(logp, old_logp, advantages, mask, settings: LossSettings) 
     return PolicyTerm(surrogate, ratio, (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0))
 
 
+@dataclass(frozen=True)
+class GRPOObjective:
+    """GRPO's loss, -J_GRPO (docs/algorithm.md, eq. 3), and its common variants, for one run: the
+    registered policy loss is looked up and its arguments checked once, when the objective is made
+    (the importance-sampling correction on its first call with sampling_logp), not per micro-batch.
+
+    Per token: term = w * policy_term - beta k3, then aggregated (`aggregate`) and negated.
+
+    policy_loss: a registered policy loss (math/registry.py), its arguments in loss_args.
+       "clip" (default) is eq. 3's min(rho A, clip(rho, 1-eps, 1+eps_high) A), where
+       importance_level "token":    rho_{i,t} = exp(logp - old_logp), the paper's per-token ratio.
+                        "sequence": rho_{i,t} = s_i = exp(sum_t m (logp - old_logp) / sum_t m), one
+                                    length-normalised ratio per output (GSPO, Zheng et al. 2025,
+                                    arXiv:2507.18071); the gradient flows through s_i, the KL stays
+                                    per token. A row with an empty mask gets s_i = 1.
+       "cispo" (math/cispo.py): sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1).
+    w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the weight
+       the registered correction `is_correction` makes of the detached ratio pi_old / pi_sampler:
+       "tis" (math/tis.py; the default when sampling_logp is given): min(exp(old_logp - sampling_logp), C),
+       C = is_args cap (default 2.0); "icepop" (math/icepop.py): the ratio where it lies in [low, high],
+       else 0 (the token's policy term dropped, the token still counted). is_cap=C is the older
+       spelling of is_args={"cap": C} for tis.
+    aggregation "sequence" (the paper's 1/|o_i| then 1/G), "token" (DAPO, arXiv:2503.14476) or
+       "constant" (Dr. GRPO, arXiv:2503.20783: / (N * L_max), L_max = max_completion_length,
+       required here and unused otherwise); rows with an all-zero mask count for nothing.
+    """
+
+    clip_eps: float = 0.2
+    beta: float = 0.04
+    clip_eps_high: float | None = None
+    aggregation: str = "sequence"
+    max_completion_length: int | None = None
+    importance_level: str = "token"
+    is_cap: float | None = None
+    policy_loss: str = "clip"
+    loss_args: Mapping | None = None
+    is_correction: str | None = None
+    is_args: Mapping | None = None
+
+    def __post_init__(self) -> None:
+        _check_options(self.aggregation, self.max_completion_length, self.importance_level)
+        entry = registered_policy_loss(self.policy_loss)
+        check_args(entry, self.loss_args or {}, "loss_args")
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        object.__setattr__(self, "_policy", entry.function)
+        object.__setattr__(self, "_settings", LossSettings(self.clip_eps, high, self.importance_level,
+                                                           dict(self.loss_args or {})))
+        object.__setattr__(self, "_correction", None)  # (function, args), on the first call that needs it
+
+    def correction(self):
+        """(function, args) of the importance-sampling correction, looked up and checked once."""
+        if self._correction is None:
+            name = self.is_correction or "tis"
+            if self.is_cap is not None and name != "tis":  # is_cap: tis's cap, from before is_args
+                raise ValueError(f"is_cap is the cap of the tis correction; {name!r} takes its arguments in is_args")
+            entry = registered_is_correction(name)
+            args = {**({"cap": float(self.is_cap)} if self.is_cap is not None else {}), **(self.is_args or {})}
+            check_args(entry, args, "is_args")
+            object.__setattr__(self, "_correction", (entry.function, args))
+        return self._correction
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        sampling_logp: torch.Tensor | None = None,
+        denominator: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, stats) of one batch. logp, old_logp, ref_logp, mask, sampling_logp: [N, T];
+        advantages: [N] (outcome) or [N, T] (process); ref_logp may be None only when beta == 0.
+        denominator: replaces the count divided by with one counted over the whole optimizer step
+        (see `aggregate`), so the pieces of a step add up to the loss of the whole batch.
+        stats are detached scalars over this batch's masked tokens: kl, clip_fraction(_low/_high),
+        ratio_mean (of the ratio used), policy_loss (-mean of w * policy term), tokens; with
+        sampling_logp also logp_mismatch (mean |old_logp - sampling_logp|) and the correction's own
+        (tis: is_weight_mean, is_capped_frac; icepop: is_weight_mean, is_dropped_frac)."""
+        _check_tensors(logp, sampling_logp, self.is_cap, denominator)
+        advantages = _checked_advantages(logp, old_logp, ref_logp, advantages, mask, self.beta)
+        m = mask.to(logp.dtype)
+        advantages = advantages.to(logp.dtype)
+        policy = self._policy(logp, old_logp, advantages, mask, self._settings)
+        correction_stats: dict[str, torch.Tensor] = {}
+        if sampling_logp is not None:
+            function, args = self.correction()
+            with torch.no_grad():  # a correction of the sampling distribution, not a thing to optimise
+                weight, correction_stats = function(torch.exp(old_logp - sampling_logp), mask, args)
+            policy_term = weight * policy.term
+        else:
+            policy_term = policy.term
+        kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+        loss = -aggregate(policy_term - self.beta * kl, mask, self.aggregation, self.max_completion_length,
+                          denominator)
+        with torch.no_grad():
+            stats = _loss_stats(policy, policy_term, kl, m)
+            if sampling_logp is not None:
+                mismatch = torch.where(m > 0, (old_logp - sampling_logp).abs(), torch.zeros_like(m))
+                stats["logp_mismatch"] = _masked_mean(mismatch, m)
+                stats.update(correction_stats)
+        return loss, stats
+
+
+def _checked_advantages(logp, old_logp, ref_logp, advantages, mask, beta: float) -> torch.Tensor:
+    """The advantages as [N, 1] or [N, T], after the tensors' shapes are checked against logp's."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
+    for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logp has {tuple(logp.shape)}")
+    if ref_logp is None and beta != 0:
+        raise ValueError(f"ref_logp is None but beta={beta}; pass reference log-probs or set beta=0")
+    if advantages.shape == logp.shape[:1]:
+        return advantages.unsqueeze(1)
+    if advantages.shape != logp.shape:
+        raise ValueError(
+            f"advantages must be [N]={tuple(logp.shape[:1])} or [N, T]={tuple(logp.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    return advantages
+
+
+def _loss_stats(policy: PolicyTerm, policy_term: torch.Tensor, kl: torch.Tensor, m: torch.Tensor) -> dict:
+    low, high = policy.clipped_low, policy.clipped_high
+    return {
+        "kl": _masked_mean(kl, m),
+        "clip_fraction": _masked_mean((low | high).to(m.dtype), m),
+        "clip_fraction_low": _masked_mean(low.to(m.dtype), m),
+        "clip_fraction_high": _masked_mean(high.to(m.dtype), m),
+        "ratio_mean": _masked_mean(policy.ratio, m),
+        "policy_loss": -_masked_mean(policy_term, m),
+        "tokens": m.sum(),
+    }
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -191,92 +331,12 @@ def grpo_loss(
     is_correction: str | None = None,
     is_args: Mapping | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's loss, -J_GRPO (docs/algorithm.md, eq. 3), and the common variants of it.
-
-    logp, old_logp, ref_logp, mask, sampling_logp: [N, T]; advantages: [N] (outcome) or [N, T] (process).
-    Per token: term = w * policy_term - beta k3, then aggregated (`aggregate`) and negated.
-
-    policy_loss: a registered policy loss (math/registry.py), its arguments in loss_args.
-       "clip" (default) is eq. 3's min(rho A, clip(rho, 1-eps, 1+eps_high) A), where
-       importance_level "token":    rho_{i,t} = exp(logp - old_logp), the paper's per-token ratio.
-                        "sequence": rho_{i,t} = s_i = exp(sum_t m (logp - old_logp) / sum_t m), one
-                                    length-normalised ratio per output (GSPO, Zheng et al. 2025,
-                                    arXiv:2507.18071); the gradient flows through s_i, the KL stays
-                                    per token. A row with an empty mask gets s_i = 1.
-       "cispo" (math/cispo.py): sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1).
-    w: 1, or with sampling_logp (the sampling engine's log-probs of the same tokens) the weight
-       the registered correction `is_correction` makes of the detached ratio pi_old / pi_sampler:
-       "tis" (math/tis.py; the default when sampling_logp is given): min(exp(old_logp - sampling_logp), C),
-       C = is_args cap (default 2.0); "icepop" (math/icepop.py): the ratio where it lies in [low, high],
-       else 0 (the token's policy term dropped, the token still counted). is_cap=C is the older
-       spelling of is_args={"cap": C} for tis.
-    aggregation "sequence" (the paper's 1/|o_i| then 1/G), "token" (DAPO, arXiv:2503.14476) or
-       "constant" (Dr. GRPO, arXiv:2503.20783: / (N * L_max), L_max = max_completion_length,
-       required here and unused otherwise); rows with an all-zero mask count for nothing.
-    denominator: replaces the count divided by with one counted over the whole optimizer step
-       (see `aggregate`), so the pieces of a step add up to the loss of the whole batch.
-    ref_logp may be None only when beta == 0.
-    Returns (loss, stats); stats are detached scalars over this batch's masked tokens: kl,
-    clip_fraction(_low/_high), ratio_mean (of the ratio used), policy_loss (-mean of w * policy
-    term), tokens; with sampling_logp also logp_mismatch (mean |old_logp - sampling_logp|) and the
-    correction's own (tis: is_weight_mean, is_capped_frac; icepop: is_weight_mean, is_dropped_frac).
-    """
-    _check_variant_args(
-        logp, aggregation, max_completion_length, importance_level, sampling_logp, is_cap, denominator
-    )
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [N, T], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
-        if t.shape != logp.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but logp has {tuple(logp.shape)}")
-    if ref_logp is None and beta != 0:
-        raise ValueError(f"ref_logp is None but beta={beta}; pass reference log-probs or set beta=0")
-    if advantages.shape == logp.shape[:1]:
-        advantages = advantages.unsqueeze(1)
-    elif advantages.shape != logp.shape:
-        raise ValueError(
-            f"advantages must be [N]={tuple(logp.shape[:1])} or [N, T]={tuple(logp.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
-    loss_entry = registered_policy_loss(policy_loss)
-    check_args(loss_entry, loss_args or {}, "loss_args")
-    settings = LossSettings(clip_eps, clip_eps if clip_eps_high is None else clip_eps_high, importance_level,
-                            dict(loss_args or {}))
-    m = mask.to(logp.dtype)
-    advantages = advantages.to(logp.dtype)
-    policy = loss_entry.function(logp, old_logp, advantages, mask, settings)
-    correction_stats: dict[str, torch.Tensor] = {}
-    if sampling_logp is not None:
-        name = is_correction or "tis"
-        if is_cap is not None and name != "tis":  # is_cap: tis's cap, from before is_args
-            raise ValueError(f"is_cap is the cap of the tis correction; {name!r} takes its arguments in is_args")
-        correction = registered_is_correction(name)
-        args = {**({"cap": float(is_cap)} if is_cap is not None else {}), **(is_args or {})}
-        check_args(correction, args, "is_args")
-        with torch.no_grad():  # a correction of the sampling distribution, not a thing to optimise
-            weight, correction_stats = correction.function(torch.exp(old_logp - sampling_logp), mask, args)
-        policy_term = weight * policy.term
-    else:
-        policy_term = policy.term
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    loss = -aggregate(policy_term - beta * kl, mask, aggregation, max_completion_length, denominator)
-
-    with torch.no_grad():
-        low, high = policy.clipped_low, policy.clipped_high
-        stats = {
-            "kl": _masked_mean(kl, m),
-            "clip_fraction": _masked_mean((low | high).to(m.dtype), m),
-            "clip_fraction_low": _masked_mean(low.to(m.dtype), m),
-            "clip_fraction_high": _masked_mean(high.to(m.dtype), m),
-            "ratio_mean": _masked_mean(policy.ratio, m),
-            "policy_loss": -_masked_mean(policy_term, m),
-            "tokens": m.sum(),
-        }
-        if sampling_logp is not None:
-            mismatch = torch.where(m > 0, (old_logp - sampling_logp).abs(), torch.zeros_like(m))
-            stats["logp_mismatch"] = _masked_mean(mismatch, m)
-            stats.update(correction_stats)
-    return loss, stats
+    """GRPO's loss, -J_GRPO (docs/algorithm.md, eq. 3), on one batch: GRPOObjective(options)(tensors),
+    which says what each option means. A training loop makes the GRPOObjective once and calls it on
+    every micro-batch; this one call makes it anew. Returns (loss, stats)."""
+    objective = GRPOObjective(clip_eps, beta, clip_eps_high, aggregation, max_completion_length, importance_level,
+                              is_cap, policy_loss, loss_args, is_correction, is_args)
+    return objective(logp, old_logp, ref_logp, advantages, mask, sampling_logp, denominator)
 
 
 def value_loss(

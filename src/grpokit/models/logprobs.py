@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs, packed_lengths,
-                                   packed_micro_batches, position_ids_for, split_by_tokens)
+from grpokit.micro_batches import (ComputedTokens, Cut, attended_ends, packed_forwards, packed_lengths,
+                                   position_ids_for, split_by_tokens)
 from grpokit.models.precision import in_compute_dtype
 from grpokit.models.wrapping import fsdp_root, is_sharded
 from grpokit.models.device import model_device
@@ -96,21 +97,14 @@ def token_logprobs(
     packing_matches_padding); then the result equals the padded one to float rounding. `counter`
     adds up the tokens each forward computed and how many were real (perf/padding_frac).
     """
-    if input_ids.shape != attention_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
-    if not 0 < prompt_length < input_ids.shape[1]:
-        raise ValueError(f"prompt_length={prompt_length} must lie in (0, {input_ids.shape[1]})")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be a positive number of positions")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be a positive number of rows")
+    _check_logprob_arguments(input_ids, attention_mask, prompt_length, chunk_size, micro_batch_size)
     device = model_device(model)
     completion_length = input_ids.shape[1] - prompt_length
     attended = attention_mask[:, prompt_length:].to(device).bool()  # padding gets 0, in every row alike
     if pack and not attention_mask.is_meta:
-        logp, entropy = _packed_token_logprobs(model, input_ids, attention_mask, prompt_length, temperature,
-                                               micro_batch_size, with_entropy, chunk_size, max_tokens, budget_key,
-                                               pack_width, counter)
+        logp, entropy = _packed_token_logprobs(model, input_ids, attention_mask, prompt_length,
+                                               Cut(micro_batch_size, max_tokens, budget_key, pack_width, counter),
+                                               _Tiles(temperature, with_entropy, chunk_size))
         logp = logp.view(-1, completion_length).masked_fill(~attended, 0.0)
         return logp, entropy.view(-1, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
     split = backbone_and_head(model)
@@ -131,18 +125,10 @@ def token_logprobs(
         inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
         targets = ids[:, prompt_length:]
         if tiled_root is not None:  # sharded: the root's own forward, with its head applied in tiles
-            logp, entropy = _tiled_forward(model, tiled_root, inputs, targets, temperature, with_entropy, chunk_size)
+            logp, entropy = _tiled_forward(model, tiled_root, inputs, targets,
+                                           _Tiles(temperature, with_entropy, chunk_size))
         else:
-            # Column c predicts token c + 1: completion tokens are predicted by columns P-1 .. L-2.
-            if split is not None:
-                decoder, head, softcap = split
-                features = decoder(**inputs)[0][:, prompt_length - 1 : -1]
-            else:
-                kept = width - prompt_length  # completion columns of this micro-batch
-                if _accepts_logits_to_keep(model):
-                    inputs["logits_to_keep"] = kept + 1
-                features = model(**inputs).logits[:, -(kept + 1) : -1]
-                head, softcap = _identity, None  # the model's forward already applied its head
+            head, softcap, features = _completion_features(model, split, inputs, prompt_length, width)
             logp, entropy = _chunked_stats(head, softcap, features, targets, temperature, with_entropy, chunk_size)
         logps.append(logp)
         entropies.append(entropy)
@@ -150,6 +136,32 @@ def token_logprobs(
     logp = _restore_rows(logps, order, completion_length).masked_fill(~attended, 0.0)
     entropy = _restore_rows(entropies, order, completion_length).masked_fill(~attended, 0.0) if with_entropy else None
     return logp, entropy
+
+
+def _check_logprob_arguments(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                             chunk_size: int, micro_batch_size: int) -> None:
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
+    if not 0 < prompt_length < input_ids.shape[1]:
+        raise ValueError(f"prompt_length={prompt_length} must lie in (0, {input_ids.shape[1]})")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of positions")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be a positive number of rows")
+
+
+def _completion_features(model: torch.nn.Module, split, inputs: dict, prompt_length: int, width: int):
+    """(head, softcap, features) of one padded micro-batch's completion columns: the backbone's hidden
+    states, which the LM head then meets in tiles, or (a model whose forward computes its own logits)
+    its logits, through the identity head. Column c predicts token c + 1: completion tokens are
+    predicted by columns P-1 .. L-2."""
+    if split is not None:
+        decoder, head, softcap = split
+        return head, softcap, decoder(**inputs)[0][:, prompt_length - 1 : -1]
+    kept = width - prompt_length  # completion columns of this micro-batch
+    if _accepts_logits_to_keep(model):
+        inputs["logits_to_keep"] = kept + 1
+    return _identity, None, model(**inputs).logits[:, -(kept + 1) : -1]  # the forward already applied its head
 
 
 @in_compute_dtype
@@ -181,7 +193,8 @@ def _selected_stats(model: torch.nn.Module, inputs: dict, targets: torch.Tensor,
     else:
         root = _sharded_root_with_plain_head(model)
         if root is not None:  # sharded: the root's own forward, with its head applied in tiles
-            logp, entropy = _tiled_forward(model, root, inputs, flat_targets, temperature, with_entropy, chunk_size,
+            logp, entropy = _tiled_forward(model, root, inputs, flat_targets, _Tiles(temperature, with_entropy,
+                                                                                     chunk_size),
                                            select=select, keep=targets.shape[1] + 1)
         else:  # any other model computes its own logits; only the selected ones go through the tiles
             logits = model(**inputs).logits[:, :-1][select].unsqueeze(0)
@@ -190,21 +203,25 @@ def _selected_stats(model: torch.nn.Module, inputs: dict, targets: torch.Tensor,
     return logp[0], (entropy[0] if entropy is not None else None)
 
 
+@dataclass(frozen=True)
+class _Tiles:
+    """What the LM head's tiles compute: log-probs at `temperature`, entropies when asked, at most
+    `chunk_size` positions a tile."""
+
+    temperature: float
+    with_entropy: bool
+    chunk_size: int
+
+
 def _packed_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           prompt_length: int, temperature: float, micro_batch_size: int, with_entropy: bool,
-                           chunk_size: int, max_tokens: int | None, budget_key: str, pack_width: int | None,
-                           counter: ComputedTokens | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           prompt_length: int, cut: Cut, tiles: _Tiles) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logprobs with the rows packed (micro_batches.packed_micro_batches): flat [N x T] log-probs
     (and entropies), scattered from each packed forward to the places padded rows would give them."""
+    temperature, with_entropy, chunk_size = tiles.temperature, tiles.with_entropy, tiles.chunk_size
     device = model_device(model)
     n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
-    lengths = packed_lengths(attention_mask, prompt_length)
     places, logps, entropies = [], [], []
-    for rows in packed_micro_batches(lengths, max_tokens, micro_batch_size, budget_key, is_sharded(model),
-                                     pack_width):
-        packed = packed_inputs(input_ids, attention_mask, prompt_length, rows)
-        if counter is not None:
-            counter.add(packed.input_ids.numel(), packed.real_tokens)
+    for packed in packed_forwards(input_ids, attention_mask, prompt_length, cut, is_sharded(model)):
         inputs = dict(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
                       use_cache=False)
         select = packed.select.to(device)
@@ -282,15 +299,15 @@ class _TiledHead(torch.nn.Module):
         return logp
 
 
-def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, targets: torch.Tensor,
-                   temperature: float, with_entropy: bool, chunk_size: int, select: torch.Tensor | None = None,
-                   keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _tiled_forward(model: torch.nn.Module, root: torch.nn.Module, inputs: dict, targets: torch.Tensor, tiles: _Tiles,
+                   select: torch.Tensor | None = None, keep: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp, entropy) of `targets` through the model's own forward with its head tiled: the last
     `keep` positions (default: targets' length + 1), or, with `select`, the selected ones of them. The root
     keeps its gathered parameters from forward through backward (FSDP2 does not reshard the root
     after forward), so each tile's recomputation in backward sees the same head."""
     head = root.get_output_embeddings()
-    tiled = _TiledHead(head, targets, temperature, with_entropy, chunk_size, select)
+    tiled = _TiledHead(head, targets, tiles.temperature, tiles.with_entropy, tiles.chunk_size, select)
     root.set_output_embeddings(tiled)
     try:
         logp = model(**inputs, logits_to_keep=keep or targets.shape[1] + 1).logits

@@ -11,6 +11,7 @@ weights' device one layer at a time (lora_merged_weights), never merged into the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,3 +172,11 @@ def _sharded_delta(module, name: str) -> torch.Tensor:
     gathered A and B of a sharded layer."""
     delta = _full(module.lora_B[name].weight) @ _full(module.lora_A[name].weight)
     return (delta.T if module.fan_in_fan_out else delta) * module.scaling[name]
+
+
+def policy_weights(model: torch.nn.Module) -> Mapping[str, object]:
+    """What an engine holding the plain model receives from `model`: its state dict, or for a PEFT
+    (LoRA) model the merged weights (lora_merged_weights: each adapted layer's W + delta made on
+    demand). A sharded model's values are its DTensor shards, gathered when pushed. (Moved here from
+    rollout/vllm.py, which rollout workers would otherwise import to send a policy.)"""
+    return lora_merged_weights(model) if hasattr(model, "peft_config") else model.state_dict()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.micro_batches import (ComputedTokens, attended_ends, packed_inputs, packed_lengths,
-                                   packed_micro_batches, position_ids_for, split_by_tokens)
+from grpokit.micro_batches import (ComputedTokens, Cut, attended_ends, packed_forwards, packed_lengths,
+                                   position_ids_for, split_by_tokens)
 from grpokit.models.lora import is_lora, merged_state_dict
 from grpokit.models.precision import compute_dtype, in_compute_dtype, set_compute_dtype
 from grpokit.models.sharding import full_state_dict
@@ -85,8 +85,8 @@ def token_values(
     `counter` adds up the tokens computed and how many were real."""
     device = model_device(critic)
     if pack and not attention_mask.is_meta:
-        return _packed_token_values(critic, input_ids, attention_mask, prompt_length, micro_batch_size, max_tokens,
-                                    budget_key, pack_width, counter)
+        return _packed_token_values(critic, input_ids, attention_mask, prompt_length,
+                                    Cut(micro_batch_size, max_tokens, budget_key, pack_width, counter))
     ends = attended_ends(attention_mask).clamp(min=prompt_length + 1)
     groups = split_by_tokens(ends, max_tokens, micro_batch_size, budget_key, lockstep=is_sharded(critic))
     if len(groups) == 1:
@@ -108,18 +108,12 @@ def token_values(
 
 
 def _packed_token_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         prompt_length: int, micro_batch_size: int, max_tokens: int | None, budget_key: str,
-                         pack_width: int | None, counter: ComputedTokens | None) -> torch.Tensor:
+                         prompt_length: int, cut: Cut) -> torch.Tensor:
     """token_values over packed rows (micro_batches.packed_inputs), scattered back to [N, T]."""
     device = model_device(critic)
     n, completion_length = input_ids.shape[0], input_ids.shape[1] - prompt_length
-    lengths = packed_lengths(attention_mask, prompt_length)
     places, parts = [], []
-    for rows in packed_micro_batches(lengths, max_tokens, micro_batch_size, budget_key, is_sharded(critic),
-                                     pack_width):
-        packed = packed_inputs(input_ids, attention_mask, prompt_length, rows)
-        if counter is not None:
-            counter.add(packed.input_ids.numel(), packed.real_tokens)
+    for packed in packed_forwards(input_ids, attention_mask, prompt_length, cut, is_sharded(critic)):
         select = packed.select.to(device)
         # use_cache=False: with a cache, transformers builds a plain causal mask and packed samples see each other
         logits = critic(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),

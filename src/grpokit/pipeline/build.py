@@ -1,11 +1,14 @@
 """The building blocks every entry point shares: seeding, the run directory, rewards from the
-config, the policy, the rollout engine, the trainer and the reward model. stages.py composes them."""
+config, the policy, a run's setup (RunSetup), the rollout engine, the trainer and the reward model.
+stages.py and rl.py compose them."""
 
 from __future__ import annotations
 
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +37,28 @@ from grpokit.train.reward_model import new_scorer
 ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
 # Per-run logs a fresh (not resumed) run starts without.
 RUN_LOGS = ("metrics.jsonl", "reward_model_metrics.jsonl", "replay_buffer.jsonl")
+
+
+@dataclass
+class RunSetup:
+    """What a stage's steps read, built once (for `grpokit train`, by rl.prepare()): the config, the
+    run directory, the task, the policy, its tokenizer and the rows it trains on, and what RL adds."""
+    config: Config
+    run_dir: Path
+    task: Task
+    model: Any
+    tokenizer: Any
+    rows: list[dict]
+    progress: bool = True
+    engine: Any = None  # the rollout engine evaluation and the reward model's data sample from
+    ref_model: Any = None  # a frozen pi_ref the trainer cannot make itself (None: it makes its own)
+    heldout: list[dict] = field(default_factory=list)  # the held-out questions evaluated before and after
+    checkpoint: Path | None = None  # the checkpoint a resumed run continues from
+    boundary: Path | None = None  # the iteration boundary it continues from (iterative.iterations > 1)
+    model_len: int | None = None  # the engine's max_model_len where it holds its own weights (vLLM)
+    ray: Any = None  # the run's RayLaunch (distributed.launcher=ray, rank 0)
+    validation: list[dict] = field(default_factory=list)  # the validation questions (settings are chosen on)
+    validation_before: dict = field(default_factory=dict)  # their greedy accuracy before RL, once evaluated
 
 
 def seed_everything(seed: int) -> None:
@@ -93,23 +118,25 @@ def start_run(config: Config, fresh: bool = False, write: bool = True) -> Path:
     return run_dir
 
 
-def make_trainer(config: Config, model, tokenizer, rows: list[dict], run_dir: Path, progress: bool = True,
-                 ref_model=None, reward_scorer=None, engine=None, remote=None):
-    """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline. An
+def make_trainer(run: RunSetup, engine=None, reward_scorer=None, remote=None):
+    """The training loop with the algorithm config.algo names: GRPO, or the PPO baseline, over the
+    run's policy, rows and reference, sampling from `engine` (default: a new one for the policy). An
     outcome `reward_scorer` joins the rewards by weight; a process one gives process supervision."""
-    rewards = build_rewards(config, tokenizer)
+    config = run.config
+    rewards = build_rewards(config, run.tokenizer)
     process = None
     if reward_scorer is not None and reward_scorer.kind == "outcome":
         rewards.append(WeightedReward("reward_model", reward_scorer, config.reward_model.weight, None))
     elif reward_scorer is not None:
         process = reward_scorer
-    engine = engine or make_engine(config.rollout, model, tokenizer, config.seed)
-    logger = make_loggers(config.report_to, run_dir, Path(config.output_dir).name, to_dict(config))
-    common = dict(seed=config.seed, progress=progress, ref_model=ref_model, engine=engine, logger=logger,
+    engine = engine or make_engine(config.rollout, run.model, run.tokenizer, config.seed)
+    logger = make_loggers(config.report_to, run.run_dir, Path(config.output_dir).name, to_dict(config))
+    common = dict(seed=config.seed, progress=run.progress, ref_model=run.ref_model, engine=engine, logger=logger,
                   rollout_config=config.rollout, save_merged=config.model.lora.save_merged, remote=remote)
+    args = (run.model, run.tokenizer, rewards, run.rows, config.grpo, run.run_dir)
     if config.algo == "ppo":
-        return PPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, ppo=config.ppo, **common)
-    return GRPOTrainer(model, tokenizer, rewards, rows, config.grpo, run_dir, process_reward=process, **common)
+        return PPOTrainer(*args, ppo=config.ppo, **common)
+    return GRPOTrainer(*args, process_reward=process, **common)
 
 
 def verifier(config: Config, task: Task, tokenizer=None):
@@ -157,10 +184,11 @@ def reward_model_backbone(config: Config, policy, tokenizer):
     return policy, tokenizer
 
 
-def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list[dict], run_dir: Path,
-                       progress: bool = True, path: str | None = None, engine=None) -> RewardModelStage:
-    """The reward model config.reward_model names, wrapped for training and scoring: loaded from
-    `path` (default reward_model.path), or new (then untrained) from the backbone reward_model.model names."""
+def reward_model_stage(run: RunSetup, path: str | None = None) -> RewardModelStage:
+    """The reward model config.reward_model names, wrapped for training (on samples of the run's policy
+    from its engine, over its rows) and scoring: loaded from `path` (default reward_model.path), or new
+    (then untrained) from the backbone reward_model.model names."""
+    config, policy, tokenizer = run.config, run.model, run.tokenizer
     rm = config.reward_model
     path = rm.path if path is None else path
     if path:
@@ -180,8 +208,8 @@ def reward_model_stage(config: Config, task: Task, policy, tokenizer, rows: list
         backbone, rm_tokenizer = reward_model_backbone(config, policy, tokenizer)
         model = new_reward_model(backbone, rm_tokenizer, rm.kind).to(resolve_device(rm.device))
         scorer = new_scorer(model, rm_tokenizer, rm.kind, rm)
-    shuffled = random.Random(f"{config.seed}-rm-questions").sample(rows, len(rows))
-    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, task, tokenizer), task.step_labeller,
-                            config.grpo.max_completion_length, run_dir, config.seed, progress, engine=engine,
-                            hard_negative=task.hard_negative,
+    shuffled = random.Random(f"{config.seed}-rm-questions").sample(run.rows, len(run.rows))
+    return RewardModelStage(scorer, tokenizer, rm, shuffled, verifier(config, run.task, tokenizer),
+                            run.task.step_labeller, config.grpo.max_completion_length, run.run_dir, config.seed,
+                            run.progress, engine=run.engine, hard_negative=run.task.hard_negative,
                             replay_fraction=config.iterative.replay_fraction)

@@ -29,7 +29,8 @@ import torch
 from grpokit.pipeline.build import load_policy
 from grpokit.config import Config
 from grpokit.config.loading import from_dict
-from grpokit.rollout import SamplingParams, ToolEngine, make_engine, token_logprobs
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout import SamplingParams, ToolEngine, make_engine
 from grpokit.config.validation import secret_length_problem
 from grpokit.rollout.transport import SECRET_ENV, StoreTransport, Transport, TransportError
 from grpokit.rollout.weight_channel import STOP

@@ -193,21 +193,9 @@ def label_steps(
     stats = dict.fromkeys(STAT_KEYS, 0)
     stats["questions"] = len(rows)
 
-    # split and grade every solution of the rows that have an answer
     kept = [i for i, row in enumerate(rows) if _has_answer(row)]
     stats["skipped_no_answer"] = len(rows) - len(kept)
-    split: dict[tuple[int, int], list[str]] = {}  # (row, solution) -> steps
-    for i in kept:
-        for s, text in enumerate(solutions[i]):
-            split[(i, s)], has_delimiter = split_solution(text, delimiter)
-            stats["steps"] += len(split[(i, s)])
-            stats["no_delimiter"] += not has_delimiter
-    stats["solutions"] = len(split)
-    keys = list(split)
-    grades: dict[tuple[int, int], bool | None] = {}
-    for start in range(0, len(keys), batch_size):
-        chunk = keys[start:start + batch_size]
-        grades.update(zip(chunk, _grade(grade_fn, [rows[i] for i, _ in chunk], [solutions[i][s] for i, s in chunk])))
+    split, grades = _split_and_grade(rows, solutions, kept, grade_fn, delimiter, batch_size, stats)
 
     # questions whose solutions all share one grade skip their rollouts; the rest roll out every
     # distinct prefix that ends before a solution's last step
@@ -222,6 +210,35 @@ def label_steps(
     counts = _rollout_counts(rows, prefixes, complete_fn, grade_fn, n, batch_size)
     stats["rollouts_sampled"] = n * len(prefixes)
 
+    records = _records(rows, split, grades, uniform, counts, n, stats)
+    stats["records"] = len(records)
+    return records, stats
+
+
+def _split_and_grade(rows, solutions, kept: list[int], grade_fn: GradeFn, delimiter: str, batch_size: int,
+                     stats: dict) -> tuple[dict, dict]:
+    """label_steps' first pass: every solution of the rows that have an answer split into steps
+    ({(row, solution): steps}) and graded ({(row, solution): bool or None}), in chunks of batch_size;
+    counts steps, no_delimiter and solutions into stats."""
+    split: dict[tuple[int, int], list[str]] = {}  # (row, solution) -> steps
+    for i in kept:
+        for s, text in enumerate(solutions[i]):
+            split[(i, s)], has_delimiter = split_solution(text, delimiter)
+            stats["steps"] += len(split[(i, s)])
+            stats["no_delimiter"] += not has_delimiter
+    stats["solutions"] = len(split)
+    keys = list(split)
+    grades: dict[tuple[int, int], bool | None] = {}
+    for start in range(0, len(keys), batch_size):
+        chunk = keys[start:start + batch_size]
+        grades.update(zip(chunk, _grade(grade_fn, [rows[i] for i, _ in chunk], [solutions[i][s] for i, s in chunk])))
+    return split, grades
+
+
+def _records(rows, split: dict, grades: dict, uniform: dict, counts: dict, n: int, stats: dict) -> list[dict]:
+    """label_steps' records: each solution's steps up to its first unlabelled one, with hard and soft
+    labels from the rollout counts (or its question's uniform grade); counts unlabelled_steps and
+    steps_written into stats."""
     records = []
     for (i, s), steps in split.items():
         if i in uniform:
@@ -237,5 +254,4 @@ def label_steps(
             records.append({"prompt": rows[i]["prompt"], "steps": steps[:known],
                             "labels": [label == 1.0 for label in hard[:known]], "soft_labels": soft[:known]})
             stats["steps_written"] += known
-    stats["records"] = len(records)
-    return records, stats
+    return records

@@ -172,60 +172,76 @@ def multi_turn_rollout(engine, tokenizer, prompts: list[str], num_generations: i
             params, round_seeds(None if seeds is None else [seeds[i] for i in active], round_index))
         generate_seconds += time.perf_counter() - start
         rounds += 1
-        calls: list[tuple[int, str, str]] = []  # (completion, call, overhang after the stop string)
-        goes_on: list[int] = []  # paused at the stop string of a tool that does not answer them
-        for i, continuation in zip(active, continuations, strict=True):
-            completion = completions[i]
-            completion.extend(continuation.ids, sampled=True, logp=continuation.logp)
-            if continuation.finish == "length":
-                completion.reason = "length"
-                continue
-            if continuation.finish != "stop":  # EOS: no tool call, nothing to decode
-                completion.reason = "answer"
-                continue
-            text = tokenizer.decode(completion.ids, skip_special_tokens=True)
-            overhang = stopped_at(text, tool.stop)
-            if overhang is None:
-                completion.reason = "answer"
-                continue
-            if len(completion.ids) >= limit:
-                completion.reason = "length"  # no room left for the tool's output
-                continue
-            if not answers[i]:
-                if continuation.ids:  # an engine that wrote nothing new would only stop there again
-                    goes_on.append(i)
-                else:
-                    completion.reason = "answer"
-                continue
-            call = tool.parse(text)
-            if call is None:
-                completion.reason = "no_program"
-                continue
-            calls.append((i, call, overhang))
+        calls, goes_on = _tool_calls(active, continuations, completions, tokenizer, tool, limit, answers)
         start = time.perf_counter()
         outputs = run_calls(tool, [call for _, call, _ in calls])
         tool_seconds += time.perf_counter() - start
         active = goes_on
-        for (i, _, overhang), output in zip(calls, outputs, strict=True):
-            completion = completions[i]
-            completion.outputs.append(output)
-            if output.error is not None:
-                completion.reason = "tool_error"
-                continue
-            segment = tool_segment(tokenizer, appended_text(output.text, overhang))
-            room = limit - len(completion.ids)
-            completion.extend(segment[:room], sampled=False)
-            if len(segment) > room:
-                completion.reason = "length"
-            elif len(completion.outputs) >= max_tool_calls:  # the output of its last allowed call ends it
-                completion.reason = "tool_limit"
-            elif len(segment) == room:
-                completion.reason = "length"
-            else:
-                active.append(i)
+        _add_outputs(calls, outputs, completions, tokenizer, limit, max_tool_calls, active)
     return ToolRollout(_assemble(tokenizer, prompts, num_generations, prompt_ids, completions, rows),
                        [c.reason for c in completions], [c.outputs for c in completions], rounds, generate_seconds,
                        tool_seconds)
+
+
+def _tool_calls(active: list[int], continuations, completions: list[_Completion], tokenizer, tool: Tool, limit: int,
+                answers: list[bool]) -> tuple[list[tuple[int, str, str]], list[int]]:
+    """One round's continuations added to their completions: (the tool calls to run, as (completion,
+    call, overhang after the stop string), the completions that go on without a call). A completion
+    that ends here gets its reason."""
+    calls: list[tuple[int, str, str]] = []  # (completion, call, overhang after the stop string)
+    goes_on: list[int] = []  # paused at the stop string of a tool that does not answer them
+    for i, continuation in zip(active, continuations, strict=True):
+        completion = completions[i]
+        completion.extend(continuation.ids, sampled=True, logp=continuation.logp)
+        if continuation.finish == "length":
+            completion.reason = "length"
+            continue
+        if continuation.finish != "stop":  # EOS: no tool call, nothing to decode
+            completion.reason = "answer"
+            continue
+        text = tokenizer.decode(completion.ids, skip_special_tokens=True)
+        overhang = stopped_at(text, tool.stop)
+        if overhang is None:
+            completion.reason = "answer"
+            continue
+        if len(completion.ids) >= limit:
+            completion.reason = "length"  # no room left for the tool's output
+            continue
+        if not answers[i]:
+            if continuation.ids:  # an engine that wrote nothing new would only stop there again
+                goes_on.append(i)
+            else:
+                completion.reason = "answer"
+            continue
+        call = tool.parse(text)
+        if call is None:
+            completion.reason = "no_program"
+            continue
+        calls.append((i, call, overhang))
+    return calls, goes_on
+
+
+def _add_outputs(calls: list[tuple[int, str, str]], outputs, completions: list[_Completion], tokenizer, limit: int,
+                 max_tool_calls: int, active: list[int]) -> None:
+    """The tool's outputs appended to their completions (tool tokens, not sampled), within the length
+    limit; a completion that goes on joins `active`, one that ends gets its reason."""
+    for (i, _, overhang), output in zip(calls, outputs, strict=True):
+        completion = completions[i]
+        completion.outputs.append(output)
+        if output.error is not None:
+            completion.reason = "tool_error"
+            continue
+        segment = tool_segment(tokenizer, appended_text(output.text, overhang))
+        room = limit - len(completion.ids)
+        completion.extend(segment[:room], sampled=False)
+        if len(segment) > room:
+            completion.reason = "length"
+        elif len(completion.outputs) >= max_tool_calls:  # the output of its last allowed call ends it
+            completion.reason = "tool_limit"
+        elif len(segment) == room:
+            completion.reason = "length"
+        else:
+            active.append(i)
 
 
 def _assemble(tokenizer, prompts: list[str], num_generations: int, prompt_ids: list[list[int]],

@@ -33,6 +33,7 @@ from grpokit.rollout.transport import SECRET_ENV, StoreTransport, Transport, run
 from grpokit.rollout.wire import RolloutWorkerError, Task, checked_rollout, decode, encode
 from grpokit.types import Rollout
 from grpokit.models.device import model_device
+from grpokit.models.lora import policy_weights
 
 CHECK_WINDOW_S = 0.1  # the longest a wait for a key goes without looking at the workers and the clock
 CHECK_S = 0.5  # how often a wait looks at the workers' health
@@ -53,8 +54,6 @@ def _parent_death_signal():
 
 def _weights(model: torch.nn.Module) -> Mapping:
     """What a worker's plain model receives: the state dict, or a LoRA policy's merged weights."""
-    from grpokit.rollout.vllm import policy_weights
-
     return policy_weights(model)
 
 

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpokit import distributed
-from grpokit.models.lora import lora_merged_weights
+from grpokit.models.lora import policy_weights
 from grpokit.errors import ConfigError
 from grpokit.models.precision import compute_dtype
 from grpokit.models.vocabulary import ghost_rows, mask_logits_past
@@ -139,6 +139,25 @@ def _import_vllm():
     return vllm, TokensPrompt
 
 
+def _check_engine_inputs(version: str, model, tokenizer, max_model_len: int, kv_cache_gb: float | None) -> int:
+    """One line for what this engine cannot honour (a vLLM outside the supported releases, a tokenizer
+    longer than the embedding, a context under 2 tokens, a KV cache of no size), before it starts;
+    returns the policy's embedding rows past the tokenizer (ghost_rows)."""
+    problem = vllm_version_problem(version)
+    if problem:
+        raise ConfigError(problem)
+    ghosts = ghost_rows(model, tokenizer, getattr(model, "name_or_path", "") or "the policy")
+    _check_sizes(max_model_len, kv_cache_gb)
+    return ghosts
+
+
+def _check_sizes(max_model_len: int, kv_cache_gb: float | None) -> None:
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise ValueError(f"rollout.kv_cache_gb must be > 0 (or unset to size from memory), got {kv_cache_gb}")
+
+
 class VLLMEngine:
     """Rollouts from one in-process `vllm.LLM` that holds a copy of the policy's weights.
 
@@ -181,15 +200,7 @@ class VLLMEngine:
     ) -> None:
         vllm, self._TokensPrompt = _import_vllm()
         self._vllm = vllm
-        problem = vllm_version_problem(vllm.__version__)
-        if problem:
-            raise ConfigError(problem)
-        # ids past the tokenizer: the trainer's head scores them GHOST_LOGIT, and so must vLLM's (below)
-        self._ghost_rows = ghost_rows(model, tokenizer, getattr(model, "name_or_path", "") or "the policy")
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        if kv_cache_gb is not None and kv_cache_gb <= 0:
-            raise ValueError(f"rollout.kv_cache_gb must be > 0 (or unset to size from memory), got {kv_cache_gb}")
+        self._ghost_rows = _check_engine_inputs(vllm.__version__, model, tokenizer, max_model_len, kv_cache_gb)
         self.tokenizer = tokenizer
         note_ignored_sampling_defaults(model)  # said once, however the engine is built
         self.max_model_len = max_model_len
@@ -218,14 +229,7 @@ class VLLMEngine:
         # Weights reach vLLM by reference through collective_rpc, so its engine core
         # must run in this process, not a child.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
-        tokenizer.save_pretrained(self._checkpoint_dir.name)
-        # vLLM reads the config from the model directory (and a tokenizer directory's too, retrying
-        # with waits when it has none); the weights come from weights_dir or from the push below.
-        self.architectures = list(getattr(model.config, "architectures", None) or [_architecture(model)])
-        config = copy.copy(model.config)
-        config.architectures = self.architectures
-        config.save_pretrained(self._checkpoint_dir.name)
+        self._write_model_directory(model, tokenizer)
         self.weights_dir = weights_dir
         # The names sync_weights must supply: what a checkpoint of this policy holds.
         self._weight_names = set(self._checkpoint_names() if weights_dir else self._names(policy_weights(model)))
@@ -251,6 +255,29 @@ class VLLMEngine:
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
             tensor_parallel_size=tensor_parallel_size,
         )
+        self.llm = self._start(vllm, llm_kwargs)
+        self._mask_ghost_logits(len(tokenizer))  # the trainer's head scores them GHOST_LOGIT, and so must vLLM's
+        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
+        self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
+        self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
+        self._seed, self._pooled_calls = seed, 0  # seeds for unseeded requests under tensor parallelism
+        if weights_dir is None:
+            self.sync_weights(model)  # replace the placeholders with the policy's own weights
+
+    def _write_model_directory(self, model: torch.nn.Module, tokenizer) -> None:
+        """The policy's config and tokenizer in a directory of their own: vLLM reads the config from the
+        model directory (and a tokenizer directory's too, retrying with waits when it has none); the
+        weights come from weights_dir or from the first push."""
+        self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
+        tokenizer.save_pretrained(self._checkpoint_dir.name)
+        self.architectures = list(getattr(model.config, "architectures", None) or [_architecture(model)])
+        config = copy.copy(model.config)
+        config.architectures = self.architectures
+        config.save_pretrained(self._checkpoint_dir.name)
+
+    def _start(self, vllm, llm_kwargs: dict):
+        """vllm.LLM(**llm_kwargs), under torchrun one engine per process (or per tensor-parallel
+        group); a start that fails removes the model directory and says why where it can."""
         if self.launched:  # one engine per process (or per tensor-parallel group), on its own device
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
             if self._on_cpu:  # segments a killed run left under the names these engines create
@@ -259,7 +286,7 @@ class VLLMEngine:
                 distributed.barrier()
         try:
             with _global_rng_preserved():  # vLLM seeds torch/numpy/random of the whole process
-                self.llm = vllm.LLM(**llm_kwargs)
+                llm = vllm.LLM(**llm_kwargs)
         except Exception as err:
             self._checkpoint_dir.cleanup()
             explained = self._explain_start_error(err)
@@ -268,20 +295,15 @@ class VLLMEngine:
             raise explained from err
         if self.launched and self._on_cpu:  # vLLM's start ends once every peer opened them: free the names
             vllm_cpu_shm.unlink_segments(_cpu_shm_segment_names())
-        if self._ghost_rows:
-            self._mask_ghost_logits(len(tokenizer))
-        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
-        self._probe_ids = [(7 + 13 * i) % len(tokenizer) for i in range(SYNC_PROBE_TOKENS)]
-        self._tp_group = _tensor_parallel_group() if tensor_parallel_size > 1 else None
-        self._seed, self._pooled_calls = seed, 0  # seeds for unseeded requests under tensor parallelism
-        if weights_dir is None:
-            self.sync_weights(model)  # replace the placeholders with the policy's own weights
+        return llm
 
     def _mask_ghost_logits(self, tokens: int) -> None:
         """vLLM's logits at ids >= `tokens` become GHOST_LOGIT in every worker, before anything reads them:
         sampling, its processed log-probs and prompt log-probs (the sync probe) all see the trainer's masked
         distribution. (SamplingParams.allowed_token_ids would mask sampling alone, and checks its ~150,000
         ids per request.)"""
+        if not self._ghost_rows:
+            return
         masked = self.llm.collective_rpc(_mask_logits_past, args=(tokens,))
         if not all(masked):
             self.close()
@@ -620,13 +642,6 @@ def sleep_level(weights_pushed_next: bool) -> int:
     """vLLM's sleep level: 2 frees the weights outright, right when new ones are pushed next
     (level 1 would copy them to host and back only to overwrite them); else 1, which keeps them."""
     return 2 if weights_pushed_next else 1
-
-
-def policy_weights(model: torch.nn.Module) -> Mapping[str, object]:
-    """What an engine holding the plain model receives from `model`: its state dict, or for a PEFT
-    (LoRA) model the merged weights (lora_merged_weights: each adapted layer's W + delta made on
-    demand). A sharded model's values are its DTensor shards, gathered when pushed."""
-    return lora_merged_weights(model) if hasattr(model, "peft_config") else model.state_dict()
 
 
 def _architecture(model: torch.nn.Module) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from grpokit.config import GRPOConfig, RolloutConfig
-from grpokit.math import grpo_loss
+from grpokit.math import GRPOObjective
 from grpokit.micro_batches import RowLayout
 from grpokit.rewards import RewardResult
 from grpokit.types import Rollout
@@ -36,7 +36,7 @@ class Batch:
     layout: RowLayout = field(default_factory=RowLayout)  # packed or padded forwards (grpo.pack_rows)
 
 
-# Trainer.update(model, optimizer, scheduler, loss_mask, micro_loss, token_weighted, row_lengths) -> (sums, skipped)
+# Trainer.update(target: train/update.py's Optimized, batch, micro_loss, token_weighted) -> (sums, skipped)
 Update = Callable[..., tuple[dict, int]]
 
 
@@ -47,8 +47,15 @@ class Algorithm:
     name = ""
 
     def setup(self, policy: torch.nn.Module, config: GRPOConfig, rollout_config: RolloutConfig) -> None:
-        """Called once by the loop before the first step (PPO builds its critic here)."""
+        """Called once by the loop before the first step (PPO builds its critic here); the run's loss
+        is made here, its registered pieces looked up once."""
         self.config, self.rollout_config = config, rollout_config
+        self.correction = rollout_config.off_policy_correction()  # tis for an older policy's batches unless named
+        self.objective = GRPOObjective(
+            clip_eps=config.epsilon, beta=self.loss_beta, clip_eps_high=config.epsilon_high,
+            aggregation=config.loss_aggregation, max_completion_length=config.max_completion_length,
+            importance_level=config.importance_sampling_level, policy_loss=config.loss, loss_args=config.loss_args,
+            is_correction=self.correction, is_args=rollout_config.correction_args())
 
     @property
     def loss_beta(self) -> float:
@@ -70,18 +77,10 @@ class Algorithm:
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
              advantages: torch.Tensor, mask: torch.Tensor, total: float | None,
              sampling_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """The policy loss of one micro-batch over the minibatch's count `total` (math.grpo_loss in
-        the configured loss, aggregation, importance level and correction)."""
-        cfg, r = self.config, self.rollout_config
-        correction = r.off_policy_correction()  # tis for an older policy's batches unless another is named
-        corrected = correction is not None and sampling_logp is not None
-        return grpo_loss(
-            logp, old_logp, ref_logp, advantages, mask, clip_eps=cfg.epsilon, beta=self.loss_beta,
-            clip_eps_high=cfg.epsilon_high, aggregation=cfg.loss_aggregation,
-            max_completion_length=cfg.max_completion_length, importance_level=cfg.importance_sampling_level,
-            sampling_logp=sampling_logp if corrected else None,
-            denominator=total, policy_loss=cfg.loss, loss_args=cfg.loss_args,
-            is_correction=correction if corrected else None, is_args=r.correction_args())
+        """The policy loss of one micro-batch over the minibatch's count `total`: the run's GRPOObjective
+        (math/losses.py; the configured loss, aggregation, importance level and correction)."""
+        corrected = self.correction is not None and sampling_logp is not None
+        return self.objective(logp, old_logp, ref_logp, advantages, mask, sampling_logp if corrected else None, total)
 
     def update_own_model(self, batch: Batch, update: Update) -> dict:
         """Train any model of the algorithm's own after the policy's update (PPO's critic)."""

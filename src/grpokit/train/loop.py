@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +41,8 @@ from grpokit.rewards import RewardResult, WeightedReward, score_completions
 from grpokit.rewards.learned import ProcessRewardModel
 from grpokit.rewards.process import is_process_reward
 from grpokit.rewards.scoring import row_columns
-from grpokit.rollout import HFEngine, RolloutEngine, RolloutEngineError, token_logprobs
+from grpokit.models.logprobs import token_logprobs
+from grpokit.rollout import HFEngine, RolloutEngine, RolloutEngineError
 from grpokit.rollout.remote import RemoteRollouts
 from grpokit.rollout.wire import RolloutWorkerError
 from grpokit.run.checkpoint import CheckpointManager
@@ -53,10 +55,27 @@ from grpokit.train.algorithm import Algorithm, Batch
 from grpokit.train.checkpointing import Checkpointing
 from grpokit.train.failures import FailureStreaks, drop_failed_rollouts
 from grpokit.train.packing import decide_packing, same_attention
-from grpokit.train.sampling import LocalSampler, PromptOrder, RemoteSampler, push_weights, sampling_params
+from grpokit.train.sampling import (LocalSampler, PromptOrder, RemoteSampler, SamplerContext, push_weights,
+                                    sampling_params)
 from grpokit.train.schedule import make_optimizer, warmup_constant
 from grpokit.train.step_metrics import no_signal_warning, step_record
 from grpokit.types import Rollout
+
+
+@dataclass
+class TrainerOptions:
+    """How a Trainer runs besides its policy, tokenizer, rewards, prompts, config, run directory and
+    algorithm: GRPOTrainer and PPOTrainer take each as a keyword argument."""
+
+    seed: int = 0
+    ref_model: torch.nn.Module | None = None  # pi_ref; None: a frozen copy (LoRA: the base under the adapters)
+    progress: bool = True
+    engine: RolloutEngine | None = None  # None: transformers' generate on the policy
+    logger: MetricsLogger | None = None  # experiment trackers (report_to); metrics.jsonl is always written
+    rollout_config: RolloutConfig | None = None
+    save_merged: bool = False  # LoRA: checkpoints also hold merged/ (base + adapter)
+    process_reward: ProcessRewardModel | None = None  # process supervision (eq. 6) from its step scores
+    remote: RemoteRollouts | None = None  # rollout workers (rollout.workers > 0), on rank 0
 
 
 class Trainer(Checkpointing):
@@ -71,16 +90,12 @@ class Trainer(Checkpointing):
         config: GRPOConfig,
         run_dir: str | Path,
         algorithm: Algorithm,
-        seed: int = 0,
-        ref_model: torch.nn.Module | None = None,
-        progress: bool = True,
-        engine: RolloutEngine | None = None,
-        logger: MetricsLogger | None = None,
-        rollout_config: RolloutConfig | None = None,
-        save_merged: bool = False,
-        process_reward: ProcessRewardModel | None = None,
-        remote: RemoteRollouts | None = None,
+        **options,
     ):
+        """options: TrainerOptions' fields, by name."""
+        o = TrainerOptions(**options)
+        seed, ref_model, progress, engine, logger = o.seed, o.ref_model, o.progress, o.engine, o.logger
+        rollout_config, save_merged, process_reward, remote = o.rollout_config, o.save_merged, o.process_reward, o.remote
         if not dataset:
             raise ValueError("GRPO needs a non-empty dataset of rows with a 'prompt' field")
         missing = [i for i, row in enumerate(dataset[:1000]) if "prompt" not in row]
@@ -125,12 +140,12 @@ class Trainer(Checkpointing):
         # rollout workers (rollout.workers > 0) sample on a fixed schedule of policy versions while this
         # process learns; otherwise this process's engine samples each step's batch
         self.prompts = PromptOrder(dataset, seed)
+        context = SamplerContext(model, engine, self.prompts, config, self._score, seed, self.checkpoints.latest,
+                                 self.rank, self.world_size)
         self.sampler = (
-            RemoteSampler(remote, model, engine, self.prompts, config, self.rollout_config.staleness, self._score,
-                          seed, self.checkpoints.latest, self.rank, self.world_size)
+            RemoteSampler(context, remote, self.rollout_config.staleness)
             if remote is not None or self.rollout_config.workers else
-            LocalSampler(model, engine, self.prompts, config, self.sampling, self._score, seed, self.rank,
-                         self.world_size, tokenizer.pad_token_id, self.checkpoints.latest))
+            LocalSampler(context, self.sampling, tokenizer.pad_token_id))
         self.algorithm = algorithm
         algorithm.setup(model, config, self.rollout_config)
 
@@ -230,7 +245,7 @@ class Trainer(Checkpointing):
         timings["perf/logprob_time_s"] = time.perf_counter() - t
 
         t = time.perf_counter()  # mu epochs of policy updates, then any model of the algorithm's own
-        stats = self.update_policy(rollout, advantages, loss_mask, ref_logp, old_logp)
+        stats = self.update_policy(batch, advantages)
         stats.update(self.algorithm.update_own_model(batch, self.update))
         stats.update(algorithm_stats)
         timings["perf/update_time_s"] = time.perf_counter() - t
@@ -284,18 +299,14 @@ class Trainer(Checkpointing):
         old_logp = self.logprobs(self.model, rollout) if self.algorithm.wants_old_logprobs() else None
         return ref_logp, old_logp
 
-    def policy_micro_loss(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                          ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None):
+    def policy_micro_loss(self, batch: Batch, advantages: torch.Tensor):
         """micro_loss(rows, epoch, total) for update() (train/update.py, policy_micro_loss)."""
-        return updates.policy_micro_loss(self.model, self.algorithm, self.config, self.layout, rollout, advantages,
-                                         loss_mask, ref_logp, old_logp)
+        return updates.policy_micro_loss(self.model, self.algorithm, self.config, batch, advantages)
 
-    def update_policy(self, rollout: Rollout, advantages, loss_mask, ref_logp, old_logp) -> dict:
-        """mu epochs of policy updates through update(); the step's policy metrics."""
-        return updates.policy_metrics(*self.update(
-            self.model, self.optimizer, self.scheduler, loss_mask,
-            self.policy_micro_loss(rollout, advantages, loss_mask, ref_logp, old_logp),
-            row_lengths=self.layout.row_lengths(rollout.attention_mask, rollout.prompt_length)))
+    def update_policy(self, batch: Batch, advantages: torch.Tensor) -> dict:
+        """mu epochs of policy updates of the batch through update(); the step's policy metrics."""
+        return updates.policy_metrics(*self.update(updates.Optimized(self.model, self.optimizer, self.scheduler),
+                                                   batch, self.policy_micro_loss(batch, advantages)))
 
     def on_policy_device(self, rollout: Rollout, result: RewardResult) -> tuple[Rollout, torch.Tensor]:
         """(the rollout moved to the policy's device, the loss mask there): the tokens the policy
@@ -308,12 +319,11 @@ class Trainer(Checkpointing):
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         return rollout, loss_mask
 
-    def update(self, model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor, micro_loss,
-               token_weighted: bool = False, row_lengths: torch.Tensor | None = None) -> tuple[dict, int]:
-        """The one update loop (train/update.py, update) under this run's config and this step's layout:
-        for the policy, and handed to the algorithm for a model of its own (PPO's critic)."""
-        return updates.update(model, optimizer, scheduler, loss_mask, micro_loss, self.config, self.layout,
-                              token_weighted, row_lengths)
+    def update(self, target: updates.Optimized, batch: Batch, micro_loss, token_weighted: bool = False
+               ) -> tuple[dict, int]:
+        """The one update loop (train/update.py, update) under this run's config: for the policy, and
+        handed to the algorithm for a model of its own (PPO's critic)."""
+        return updates.update(target, batch, micro_loss, self.config, token_weighted)
 
     # ------------------------------------------------------------------ rewards
 

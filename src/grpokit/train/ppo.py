@@ -27,6 +27,7 @@ from grpokit.train.algorithm import Algorithm, Batch, Update
 from grpokit.train.loop import Trainer
 from grpokit.train.packing import same_attention
 from grpokit.train.schedule import make_optimizer, warmup_constant
+from grpokit.train.update import Optimized
 from grpokit.types import Rollout
 
 CRITIC_DIR = "critic"
@@ -128,10 +129,8 @@ class PPO(Algorithm):
 
     def update_own_model(self, batch: Batch, update: Update) -> dict:
         """The critic's clipped value-loss updates, through the loop's update (token-weighted)."""
-        sums, _ = update(self.critic, self.critic_optimizer, self.critic_scheduler, batch.loss_mask,
-                         self.critic_micro_loss(batch), token_weighted=True,
-                         row_lengths=batch.layout.row_lengths(batch.rollout.attention_mask,
-                                                              batch.rollout.prompt_length))
+        sums, _ = update(Optimized(self.critic, self.critic_optimizer, self.critic_scheduler), batch,
+                         self.critic_micro_loss(batch), token_weighted=True)
         self.critic.eval()
         tokens = sums.get("tokens", 0.0)
         return {"value/loss": sums["loss"] / max(1.0, sums.get("optimizer_steps", 0.0)),
@@ -186,7 +185,10 @@ class PPOTrainer(Trainer):
     """The training loop with PPO as its algorithm."""
 
     def __init__(self, model, tokenizer, rewards, dataset, config: GRPOConfig, run_dir, ppo: PPOConfig | None = None,
-                 critic: torch.nn.Module | None = None, **kwargs):
+                 **kwargs):
+        """kwargs: critic= (a critic of your own; default: built from the policy, ppo.critic_init) and
+        the Trainer's options (train/loop.py, TrainerOptions)."""
+        critic: torch.nn.Module | None = kwargs.pop("critic", None)
         super().__init__(model, tokenizer, rewards, dataset, config, run_dir, PPO(ppo, critic), **kwargs)
 
     @property

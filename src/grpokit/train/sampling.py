@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +33,23 @@ from grpokit.types import Rollout
 
 # (rollout) -> its rewards: the trainer's scoring, which counts reward-failure streaks
 Score = Callable[[Rollout], RewardResult]
+
+
+@dataclass
+class SamplerContext:
+    """What a sampler reads from its trainer: the policy, this process's engine, the prompt order, the
+    config, the trainer's scoring, the run's seed, where the last checkpoint is (for messages), and this
+    process's place among the trainer's processes."""
+
+    model: torch.nn.Module
+    engine: RolloutEngine
+    order: PromptOrder
+    config: GRPOConfig
+    score: Score
+    seed: int
+    last_checkpoint: Callable[[], Path | None]
+    rank: int = 0
+    world_size: int = 1
 
 
 def sampling_params(config: GRPOConfig, shared_prefill: bool = False) -> SamplingParams:
@@ -81,12 +99,12 @@ class LocalSampler:
     """B groups of G completions from this process's engine. Several processes (torchrun) draw the
     same prompts and each samples its own contiguous whole groups."""
 
-    def __init__(self, model: torch.nn.Module, engine: RolloutEngine, order: PromptOrder, config: GRPOConfig,
-                 params: SamplingParams, score: Score, seed: int, rank: int, world_size: int, pad_id: int,
-                 last_checkpoint: Callable[[], Path | None]):
-        self.model, self.engine, self.order, self.config, self.score, self.seed = model, engine, order, config, score, seed
-        self.params, self.rank, self.world_size, self.pad_id = params, rank, world_size, pad_id
-        self.last_checkpoint = last_checkpoint
+    def __init__(self, context: SamplerContext, params: SamplingParams, pad_id: int):
+        c = context
+        self.model, self.engine, self.order, self.config, self.score, self.seed = (c.model, c.engine, c.order,
+                                                                                   c.config, c.score, c.seed)
+        self.params, self.rank, self.world_size, self.pad_id = params, c.rank, c.world_size, pad_id
+        self.last_checkpoint = c.last_checkpoint
 
     def sample(self, step: int, timings: dict) -> tuple[Rollout, RewardResult, dict]:
         """Step `step`'s groups (0-based), scored. With grpo.dynamic_sampling (DAPO), groups whose
@@ -164,15 +182,14 @@ class RemoteSampler:
     policy version sampling_version(b, staleness); staleness = versions between that one and the one
     the batch updates. `engine`: this process's own engine, which evaluation uses after training."""
 
-    def __init__(self, remote: RemoteRollouts | None, model: torch.nn.Module, engine: RolloutEngine,
-                 order: PromptOrder, config: GRPOConfig, staleness: int, score: Score, seed: int,
-                 last_checkpoint: Callable[[], Path | None], rank: int = 0, world_size: int = 1):
+    def __init__(self, context: SamplerContext, remote: RemoteRollouts | None, staleness: int):
         """remote: the workers, on trainer rank 0; None on the other ranks of a sharded (FSDP2) trainer,
         which take their share of each batch from rank 0 and their part in gathering each push."""
-        self.remote, self.model, self.engine, self.order = remote, model, engine, order
-        self.rank, self.world_size = rank, world_size
-        self.config, self.staleness = config, staleness
-        self.score, self.seed, self.last_checkpoint = score, seed, last_checkpoint
+        c = context
+        self.remote, self.model, self.engine, self.order = remote, c.model, c.engine, c.order
+        self.rank, self.world_size = c.rank, c.world_size
+        self.config, self.staleness = c.config, staleness
+        self.score, self.seed, self.last_checkpoint = c.score, c.seed, c.last_checkpoint
         self._again: dict[int, tuple[list, list]] = {}  # a resumed run's batches to queue again: rows, seeds
         self._version_floor = 0  # the oldest version the workers can sample: the one they started from
         self._dropped_stale = 0  # completions of a resumed run's batches too stale to use (counted once)

@@ -28,6 +28,7 @@ import torch
 
 from grpokit import distributed
 from grpokit.config import ConfigError, SFTConfig
+from grpokit.errors import renamed_names
 from grpokit.micro_batches import pack_rows, split_by_tokens
 from grpokit.models.precision import compute_dtype
 from grpokit.models.sharding import grad_norm_value
@@ -146,7 +147,7 @@ def row_widths(labels: torch.Tensor) -> torch.Tensor:
     return attended_ends(labels != IGNORE)
 
 
-def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False):
+def sft_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, lockstep: bool = False):
     """(rows, inputs, labels) of each micro-batch of `batch`'s rows, on the CPU: rows in order of width, at
     most `max_tokens` tokens (rows x the widest) each, cut to the widest; every row exactly once."""
     labels = batch["labels"]
@@ -166,7 +167,7 @@ def accumulate_gradients(model, batch: dict[str, torch.Tensor], max_tokens: int,
     device = model_device(model)
     count = distributed.all_reduce_sum((batch["labels"][:, 1:] != IGNORE).sum()).to(device)
     total = torch.zeros((), device=device)
-    for _, inputs, labels in micro_batches(batch, max_tokens, lockstep):
+    for _, inputs, labels in sft_micro_batches(batch, max_tokens, lockstep):
         inputs = {k: v.to(device) for k, v in inputs.items()}
         logp = labelled_logprobs(model, {**inputs, "use_cache": False}, labels.to(device), IGNORE)
         loss = -logp.sum() / count
@@ -197,7 +198,7 @@ def target_logprobs(model, batch: dict[str, torch.Tensor], max_tokens: int, lock
     device = model_device(model)
     labels = batch["labels"]
     out = torch.zeros(labels.shape[0], labels.shape[1] - 1)
-    for rows, inputs, micro_labels in micro_batches(batch, max_tokens, lockstep):
+    for rows, inputs, micro_labels in sft_micro_batches(batch, max_tokens, lockstep):
         inputs = {k: v.to(device) for k, v in inputs.items()}
         logp = labelled_logprobs(model, {**inputs, "use_cache": False}, micro_labels.to(device), IGNORE)
         block = torch.zeros(len(rows), micro_labels.shape[1] - 1)
@@ -308,3 +309,8 @@ def train_on_examples(model, data: TokenizedExamples, pad_id: int, config: SFTCo
                      "tokens": int(tokens), "step_time_s": time.perf_counter() - started})
     model.eval()
     return losses
+
+
+
+# micro_batches, this module's old name (grpokit.micro_batches is the module of that name)
+__getattr__ = renamed_names(__name__, {"micro_batches": (sft_micro_batches, "sft_micro_batches")})

@@ -4,19 +4,21 @@ algorithm); the policy's micro-loss and the metrics its sums reduce to are here 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from grpokit import distributed
 from grpokit.config import GRPOConfig
+from grpokit.errors import renamed_names
 from grpokit.math import loss_denominator
 from grpokit.micro_batches import RowLayout
 from grpokit.models.sharding import grad_norm_value
-from grpokit.rollout import token_logprobs
-from grpokit.train.algorithm import Algorithm
-from grpokit.types import Rollout
+from grpokit.models.logprobs import token_logprobs
+from grpokit.train.algorithm import Algorithm, Batch
 
 
-def micro_batches(rows: torch.Tensor, row_lengths: torch.Tensor | None, config: GRPOConfig, layout: RowLayout,
+def split_minibatch(rows: torch.Tensor, row_lengths: torch.Tensor | None, config: GRPOConfig, layout: RowLayout,
                   lockstep: bool) -> list:
     """`rows` cut into micro-batches: at most grpo.micro_batch_size rows each and, given each row's
     length in tokens, at most grpo.max_tokens_per_micro_batch tokens (rows x the longest), in
@@ -29,12 +31,21 @@ def micro_batches(rows: torch.Tensor, row_lengths: torch.Tensor | None, config: 
     return [rows[g.to(rows.device)] for g in groups]
 
 
-def update(model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor, micro_loss, config: GRPOConfig,
-           layout: RowLayout, token_weighted: bool = False, row_lengths: torch.Tensor | None = None
+@dataclass
+class Optimized:
+    """What one update trains: a model with its optimizer and learning-rate schedule (the policy's,
+    or an algorithm's own model, PPO's critic)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+
+
+def update(target: Optimized, batch: Batch, micro_loss, config: GRPOConfig, token_weighted: bool = False
            ) -> tuple[dict, int]:
-    """mu epochs of optimizer steps over minibatches of the batch's rows, each accumulated
-    over micro-batches. With `row_lengths` (each row's forward length in tokens), a minibatch's
-    rows are split into micro-batches in order of length under grpo.max_tokens_per_micro_batch,
+    """mu epochs of optimizer steps of `target` over minibatches of the batch's rows, each accumulated
+    over micro-batches. A minibatch's rows are split into micro-batches in order of length (each
+    row's forward length in tokens, from the batch's layout) under grpo.max_tokens_per_micro_batch,
     so each micro-batch's forward, cut to its longest row, computes little padding.
 
     micro_loss(rows, epoch, total) -> (loss, sums): the micro-batch's share of the minibatch
@@ -48,6 +59,9 @@ def update(model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor
     (each process holds its own rows), so each back-propagates sum_local / global count and
     the summed gradients are the whole minibatch's. Skips are agreed by all processes, and
     the log sums come back summed over processes."""
+    model, optimizer, scheduler = target.model, target.optimizer, target.scheduler
+    loss_mask, layout = batch.loss_mask, batch.layout
+    row_lengths = layout.row_lengths(batch.rollout.attention_mask, batch.rollout.prompt_length)
     aggregation = "token" if token_weighted else config.loss_aggregation
     totals: dict[str, float] = {}
     steps: dict[str, float] = {}
@@ -65,7 +79,7 @@ def update(model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor
                 continue  # every sample of this minibatch failed its reward, on every process
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for micro in micro_batches(minibatch, row_lengths, config, layout, lockstep):
+            for micro in split_minibatch(minibatch, row_lengths, config, layout, lockstep):
                 loss, sums = micro_loss(micro, epoch, total)
                 if not torch.isfinite(loss):
                     finite = False  # one bad micro-batch poisons the minibatch: skip it whole
@@ -90,11 +104,12 @@ def update(model: torch.nn.Module, optimizer, scheduler, loss_mask: torch.Tensor
     return {**distributed.sum_dict(totals), **steps}, skipped
 
 
-def policy_micro_loss(model: torch.nn.Module, algorithm: Algorithm, config: GRPOConfig, layout: RowLayout,
-                      rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                      ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None):
-    """micro_loss(rows, epoch, total) for update(): the algorithm's loss of those rows over the
-    minibatch's count `total`, and the tensors the log sums. Every tensor lives on the policy's device."""
+def policy_micro_loss(model: torch.nn.Module, algorithm: Algorithm, config: GRPOConfig, batch: Batch,
+                      advantages: torch.Tensor):
+    """micro_loss(rows, epoch, total) for update(): the algorithm's loss of those rows of the batch over
+    the minibatch's count `total`, and the tensors the log sums. Every tensor lives on the policy's device."""
+    rollout, loss_mask, layout = batch.rollout, batch.loss_mask, batch.layout
+    ref_logp, old_logp = batch.ref_logp, batch.old_logp
     with_ref = ref_logp is not None and algorithm.loss_beta > 0
     policy_mask = rollout.policy_mask  # [N, T], once for every micro-batch
 
@@ -134,3 +149,8 @@ def policy_metrics(sums: dict, skipped: int) -> dict:
     out["grad_norm"] = sums["grad_norm_sum"] / sums["optimizer_steps"] if sums.get("optimizer_steps") else 0.0
     out["skipped_updates"] = skipped
     return out
+
+
+
+# micro_batches, this module's old name (grpokit.micro_batches is the module of that name)
+__getattr__ = renamed_names(__name__, {"micro_batches": (split_minibatch, "split_minibatch")})

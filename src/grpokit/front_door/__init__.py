@@ -32,6 +32,7 @@ from grpokit.data.files import is_conversation, message_problem
 from grpokit.models.loading import check_model_config
 from grpokit.pipeline import stages
 from grpokit.rewards.registry import get_reward_function, register_reward, reward_names, unregister_reward
+from grpokit.run.claim import claim
 from grpokit.run.directory import CLAIMED, NEW, OVERWRITE, default_run_dir
 from grpokit.run.metrics import read_metrics
 
@@ -122,7 +123,7 @@ def _train(model, rewards, dataset, given: dict, overwrite: bool, progress: bool
     check_model_config(loaded)
     mode = OVERWRITE if overwrite else NEW
     if rows is not None:  # claim the directory first: a used one is refused before anything is written
-        stages.claim(str(run_dir), mode)
+        claim(str(run_dir), mode)
         _write_rows(run_dir / DATASET_FILE, rows)
         mode = CLAIMED
     if command == "demo":
