@@ -1,5 +1,7 @@
 """The conformance suite (`make test-conformance`): rollouts sample exactly what the trainer thinks they
-sample, on the checkpoints users bring, through each CPU engine (docs/guides/rollout-engines.md).
+sample, on the checkpoints users bring, through each CPU engine (docs/guides/rollout-engines.md): `hf`,
+`hf_static` (its static-cache decoder, uncompiled on the CPU) and, in `.venv-vllm` (`make test-vllm`,
+marker vllm), vLLM's CPU build.
 
 Checkpoints (built from `make models`' files; skipped without them):
 - smollm2-qwen-defaults: SmolLM2-135M-Instruct whose generation_config.json carries Qwen2.5-Instruct's
