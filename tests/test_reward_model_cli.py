@@ -25,7 +25,8 @@ from run_helpers import cli
 TINY = ["--model.tiny.hidden_size=32", "--model.tiny.num_layers=2", "--model.tiny.num_heads=2",
         "--model.tiny.intermediate_size=64", "--num_sft_examples=64", "--num_rl_questions=64",
         "--num_eval_questions=8", "--eval.k=2", "--sft.max_steps=5", "--sft.warmup_steps=1",
-        "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16"]
+        "--prompts_per_step=2", "--num_generations=4", "--max_completion_length=16",
+        "--task.validation_percent=0"]  # the draws these runs were calibrated on (tests/run_helpers.py's RUN)
 TINY_RM_DATA = ["--reward_model.num_questions=8", "--reward_model.samples_per_question=4",
                 "--reward_model.heldout_fraction=0.25"]
 # the score head's optimizer; the likelihood head has none, and setting these is an error there
