@@ -26,8 +26,10 @@ def sft_checkpoint(tmp_path_factory):
     return brief_sft(tmp_path_factory)
 
 
-# bf16 (19 s) in make test-slow: make test stays under 15 minutes
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+# Both in make test-slow, beside tests/test_random_kills.py's sync run (SIGKILLs at 8 moments, the same
+# exactness): make test stays near 15 minutes
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_sigkill_then_resume_matches_an_uninterrupted_run(sft_checkpoint, tmp_path, dtype):
     """bf16: bf16 compute over fp32 master weights, which the checkpoint's master/ carries across the kill."""
     model = f"--model.name_or_path={sft_checkpoint}"
@@ -121,6 +123,7 @@ def test_resume_where_no_run_started_says_so(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow  # 15 s; make test keeps the refusals' wording (test_resume_where_no_run_started_says_so)
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_beginning(tmp_path):
     """The command each error names succeeds: the run directory holds a run, so a new start is refused
     and names --resume; --resume, with no checkpoint to continue, starts the run again with its saved
