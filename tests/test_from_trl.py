@@ -58,25 +58,35 @@ def test_the_twins_set_the_same_keys():
     assert batch == 8 * int(re.search(r'"grpo.prompts_per_step": (\d+)', ours).group(1))  # completions vs prompts
 
 
-def test_the_grpokit_twin_runs(tiny, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    ns = run_script(twin("grpokit.train("), {
-        MODEL: tiny, '"grpo.max_steps": 200': '"grpo.max_steps": 2, "eval.k": 0, "eval.tir": False',
+def run_grpokit_twin(marker: str, model: str) -> dict:
+    """The page's grpokit twin that holds `marker`, on `model`, cut to 2 small steps."""
+    return run_script(twin(marker), {
+        MODEL: model, '"grpo.max_steps": 200': '"grpo.max_steps": 2, "eval.k": 0, "eval.tir": False',
         '"grpo.num_generations": 8': '"grpo.num_generations": 2', '"grpo.prompts_per_step": 8': '"grpo.prompts_per_step": 2',
         '"grpo.max_completion_length": 256': '"grpo.max_completion_length": 8'})
+
+
+def run_trl_twin(output_dir: str, model: str) -> dict:
+    """The page's TRL script writing to `output_dir`, on `model`, cut to 2 small steps on the CPU."""
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        pytest.skip("TRL is not installed here: pip install -e '.[bench]' runs the TRL half of the page")
+    return run_script(twin(f'output_dir="{output_dir}"'), {
+        MODEL: model, "max_steps=200": "max_steps=2", "num_generations=8": "num_generations=2",
+        "per_device_train_batch_size=64": "per_device_train_batch_size=4", "max_completion_length=256":
+        "max_completion_length=8", f'GRPOConfig(output_dir="{output_dir}"': f'GRPOConfig(output_dir="{output_dir}", '
+        'use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True'})
+
+
+def test_the_grpokit_twin_runs(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ns = run_grpokit_twin("grpokit.train(", tiny)
     assert [r["step"] for r in read_metrics(tmp_path / "runs" / "grpokit" / "metrics.jsonl")] == [1, 2]
     assert "rewards/accuracy" in ns["run"].metrics[0]
 
 
 def test_the_trl_script_runs(tiny, tmp_path, monkeypatch):
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        pytest.skip("TRL is not installed here: pip install -e '.[bench]' runs the TRL half of the page")
     monkeypatch.chdir(tmp_path)
-    ns = run_script(twin("GRPOConfig("), {
-        MODEL: tiny, "max_steps=200": "max_steps=2", "num_generations=8": "num_generations=2",
-        "per_device_train_batch_size=64": "per_device_train_batch_size=4", "max_completion_length=256":
-        "max_completion_length=8", 'GRPOConfig(output_dir="runs/trl"': 'GRPOConfig(output_dir="runs/trl", use_cpu=True, '
-        'bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True'})
+    ns = run_trl_twin("runs/trl", tiny)
     assert ns["trainer"].state.global_step == 2
     assert any("reward" in log for log in ns["trainer"].state.log_history)
 
@@ -100,10 +110,7 @@ def test_the_conversational_twins_differ_only_in_the_import_the_call_and_the_key
 
 def test_the_conversational_grpokit_twin_runs(tiny_chat, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ns = run_script(twin("runs/grpokit-chat"), {
-        MODEL: tiny_chat, '"grpo.max_steps": 200': '"grpo.max_steps": 2, "eval.k": 0, "eval.tir": False',
-        '"grpo.num_generations": 8': '"grpo.num_generations": 2', '"grpo.prompts_per_step": 8': '"grpo.prompts_per_step": 2',
-        '"grpo.max_completion_length": 256': '"grpo.max_completion_length": 8'})
+    ns = run_grpokit_twin("runs/grpokit-chat", tiny_chat)
     run = ns["run"]
     assert [r["step"] for r in run.metrics] == [1, 2]
     assert [r.weight for r in run.config.rewards] == [1.0, 0.5]
@@ -111,13 +118,7 @@ def test_the_conversational_grpokit_twin_runs(tiny_chat, tmp_path, monkeypatch):
 
 
 def test_the_conversational_trl_script_runs(tiny_chat, tmp_path, monkeypatch):
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        pytest.skip("TRL is not installed here: pip install -e '.[bench]' runs the TRL half of the page")
     monkeypatch.chdir(tmp_path)
-    ns = run_script(twin("runs/trl-chat"), {
-        MODEL: tiny_chat, "max_steps=200": "max_steps=2", "num_generations=8": "num_generations=2",
-        "per_device_train_batch_size=64": "per_device_train_batch_size=4", "max_completion_length=256":
-        "max_completion_length=8", 'GRPOConfig(output_dir="runs/trl-chat"': 'GRPOConfig(output_dir="runs/trl-chat", '
-        'use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True'})
+    ns = run_trl_twin("runs/trl-chat", tiny_chat)
     assert ns["trainer"].state.global_step == 2
     assert any("rewards/format_reward/mean" in log for log in ns["trainer"].state.log_history)
