@@ -58,7 +58,6 @@ class RunSetup:
     model_len: int | None = None  # the engine's max_model_len where it holds its own weights (vLLM)
     ray: Any = None  # the run's RayLaunch (distributed.launcher=ray, rank 0)
     validation: list[dict] = field(default_factory=list)  # the validation questions (settings are chosen on)
-    validation_before: dict = field(default_factory=dict)  # their greedy accuracy before RL, once evaluated
 
 
 def seed_everything(seed: int) -> None:

@@ -69,7 +69,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
     with run_lock(config.output_dir, CLAIMED if resume else run_dir_mode, can_resume=True), \
             ExitStack() as cleanup:
         run = prepare(config, progress, resume, force, cleanup)
-        before = _evaluate_before(run, timings)
+        before, validation_before = _evaluate_before(run, timings)
         stage = _reward_model_for_run(run, timings)
         trainer = _trainer_for_run(run, stage, cleanup)
         rl_started = time.perf_counter()
@@ -83,7 +83,7 @@ def run_train(config: Config, progress: bool = True, resume: bool | str = False,
             print("stopped before the final evaluation; the checkpoint above is loadable with from_pretrained")
             return {"interrupted": True, "checkpoint": str(final)}
         timings["rl_seconds"] = time.perf_counter() - rl_started
-        summary = _summary(run, history, before, final, timings, started)
+        summary = _summary(run, history, (before, validation_before), final, timings, started)
     print(stage_times(summary, config.algo))
     peak = f"; peak memory {summary['peak_rss_bytes'] / 2**30:.2f} GiB (RSS)" if "peak_rss_bytes" in summary else ""
     print(f"final checkpoint {final}; wall time {summary['wall_seconds']:.0f}s{peak}; wrote {run.run_dir}/summary.json")
@@ -132,16 +132,16 @@ def prepare(config: Config, progress: bool, resume: bool | str, force: bool, cle
 
 
 def _evaluate_before(run: RunSetup, timings: dict):
-    """The held-out evaluation before RL (eval.before; not on resume), or None."""
+    """(the held-out evaluation, the validation accuracy) before RL (eval.before; not on resume), or (None, {})."""
     if not (run.heldout and run.config.eval.before and run.checkpoint is None):
-        return None
+        return None, {}
     before = _evaluate_heldout(run, "before", timings)
-    run.validation_before = validation_accuracy(run.task, run.model, run.tokenizer, run.validation, run.config,
-                                                run.engine)
+    validation_before = validation_accuracy(run.task, run.model, run.tokenizer, run.validation, run.config,
+                                            run.engine)
     run.engine.release_memory(weights_pushed_next=False)  # the reward model may train next
     print(f"before RL, held-out: {before.headline()}"
           + (f"; TIR greedy {before.tir.greedy_accuracy:.1%}" if before.tir else ""))
-    return before
+    return before, validation_before
 
 
 def _evaluate_heldout(run: RunSetup, when: str, timings: dict):
@@ -259,15 +259,15 @@ def _periodic_heldout(run: RunSetup, sampler):
     return after_step
 
 
-def _summary(run: RunSetup, history: list, before, final, timings: dict, started: float) -> dict:
+def _summary(run: RunSetup, history: list, befores: tuple, final, timings: dict, started: float) -> dict:
     """The run's summary.json: the held-out evaluation after RL and the before/after results, the
     seconds of each stage, wall time and peak memory; written by rank 0."""
-    config = run.config
+    config, (before, validation_before) = run.config, befores
     summary = {"seed": config.seed, "algo": config.algo, "checkpoint": str(final)}
     if run.heldout:
         after = _evaluate_heldout(run, "after", timings)
         summary.update(report_results(config, run.task, run.run_dir, history, before, after))
-    summary.update(validation_summary(run.validation_before, validation_accuracy(
+    summary.update(validation_summary(validation_before, validation_accuracy(
         run.task, run.model, run.tokenizer, run.validation, config, run.engine)))
     # The process's peak: the demo's SFT stage too, where it ran here (the README's memory figures).
     summary.update(timings, wall_seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes())
